@@ -1,0 +1,219 @@
+"""The ``sdkiln`` command: parse arguments, call the library, print. See ``sdkiln COMMAND --help``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from sdkiln.errors import ModelError, SdkilnError
+
+
+def _quality_lines(q: dict[str, Any]) -> list[str]:
+    if not q or "psnr" not in q:
+        return ["quality: not measured"]
+    lines = [
+        f"quality vs original ({q['num_samples']} samples, {q['steps']} steps, guidance {q['guidance']}):",
+        f"  PSNR {q['psnr']:.2f} dB (5th pct {q['psnr_p5']:.2f}, min {q['psnr_min']:.2f})  SSIM {q['ssim']:.4f}  "
+        f"cosine {q['cosine']:.5f}  latent rel-L2 {q['latent_rel_l2']:.4f}",
+    ]
+    if "class_accuracy" in q:
+        lines.append(
+            f"  class accuracy: original {q['base_class_accuracy']:.1%}  optimized {q['class_accuracy']:.1%}"
+        )
+    if "fd_fmnist" in q:
+        lines.append(f"  FD-FMNIST: original {q['base_fd_fmnist']:.2f}  optimized {q['fd_fmnist']:.2f}")
+    return lines
+
+
+def cmd_optimize(args) -> int:
+    from sdkiln.optimizer import optimize
+
+    t0 = time.perf_counter()
+    result = optimize(
+        args.model,
+        args.recipe,
+        args.out,
+        force=args.force,
+        eval_samples=args.eval_samples,
+        eval_steps=args.steps,
+        eval_guidance=args.guidance,
+    )
+    print(f"optimized {result.manifest['model']['base_id']} with recipe {args.recipe!r}: "
+          f"{len(result.manifest['modules'])} layers quantized")
+    print("\n".join(_quality_lines(result.quality or {})))
+    print(f"package: {result.package}  ({time.perf_counter() - t0:.1f} s)")
+    return 0
+
+
+def _save_image(array, path: Path) -> Path:
+    import numpy as np
+    from PIL import Image
+
+    img = np.asarray(array)
+    if img.ndim == 4:  # video frames side by side
+        img = np.concatenate(list(img), axis=1)
+    img = (np.clip(img, 0, 1) * 255).round().astype(np.uint8)
+    Image.fromarray(img[..., 0] if img.shape[-1] == 1 else img).save(path)
+    return path
+
+
+def cmd_run(args) -> int:
+    import torch
+
+    from sdkiln.runtime import load
+
+    pipe = load(args.package, device=args.device)
+    call = pipe.sdkiln_manifest["call"]
+    kwargs = dict(call["defaults"])
+    kwargs["output_type"] = "np"
+    if args.steps is not None:
+        kwargs["num_inference_steps"] = args.steps
+    if args.guidance is not None:
+        kwargs[call["guidance_arg"]] = args.guidance
+    if args.negative_prompt is not None:
+        kwargs["negative_prompt"] = args.negative_prompt
+    for key in ("height", "width"):
+        if getattr(args, key) is not None:
+            kwargs[key] = getattr(args, key)
+    out_path = Path(args.out)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    for i, prompt in enumerate(args.prompt):
+        path = out_path if len(args.prompt) == 1 else out_path.with_name(f"{out_path.stem}-{i}{out_path.suffix}")
+        t0 = time.perf_counter()
+        out = pipe(prompt=prompt, generator=torch.Generator("cpu").manual_seed(args.seed + i), **kwargs)
+        elapsed = time.perf_counter() - t0
+        _save_image((out.frames if hasattr(out, "frames") else out.images)[0], path)
+        print(f"{path}: {prompt!r}  ({kwargs.get('num_inference_steps')} steps, seed {args.seed + i}, {elapsed:.2f} s)")
+    return 0
+
+
+def cmd_inspect(args) -> int:
+    from sdkiln.runtime.package import open_package
+    from sdkiln.runtime.summary import summarize
+
+    pkg = open_package(args.package)
+    summary = summarize(pkg)
+    if args.json:
+        print(json.dumps({**pkg.manifest, "summary": summary}, indent=2))
+        return 0
+    m = pkg.manifest
+    print(f"package {pkg.root}: {m['format']} v{m['schema_version']}, sdkiln {m['sdkiln_version']}, {m['created']}")
+    print(f"model: {m['model']['base_id']} ({m['model']['pipeline_class']}, {m['model']['dtype']})")
+    print(f"recipe: {summary['recipe']}  steps: {', '.join(summary['steps']) or '(none)'}")
+    print(f"layers: {summary['layers_quantized']} quantized {summary['schemes']}, {summary['layers_float']} kept in float")
+    if summary["quantized_float_bytes"]:
+        print(f"quantized layers: {summary['quantized_bytes']:,} bytes vs {summary['quantized_float_bytes']:,} "
+              f"in fp32 ({summary['quantized_ratio']:.3f}x)")
+    print(f"package size: {summary['package_bytes']:,} bytes")
+    quality = pkg.read_json("eval/quality.json")
+    print("\n".join(_quality_lines(quality)))
+    return 0
+
+
+def cmd_eval(args) -> int:
+    from sdkiln.model_zoo import get_spec, load_model
+    from sdkiln.model_zoo.fingerprint import fingerprint
+    from sdkiln.optimizer.evaluate import compare, save_side_by_side
+    from sdkiln.runtime import load
+
+    optimized = load(args.package, device="cpu")
+    info = optimized.sdkiln_manifest["model"]
+    base, spec, _ = load_model(info["base_id"])
+    if spec.name != info["family"]:
+        spec = get_spec(info["family"])
+    found = fingerprint(getattr(base, info["transformer_attr"]))
+    for key in ("config_hash", "weights_hash"):
+        if found[key] != info[key]:
+            raise ModelError(
+                f"{Path(args.package) / 'manifest.json'}: base model {info['base_id']!r} does not match the package "
+                f"({key.replace('_', ' ')} {found[key][:12]} != {info[key][:12]})"
+            )
+    report, base_imgs, opt_imgs = compare(base, optimized, spec, args.num_samples, args.steps, args.guidance)
+    if args.grid:
+        save_side_by_side(base_imgs, opt_imgs, args.grid)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print("\n".join(_quality_lines(report)))
+        if args.grid:
+            print(f"side-by-side grid (original left, optimized right): {args.grid}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="sdkiln", description=__doc__)
+    p.add_argument("--debug", action="store_true", help="show full tracebacks")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    o = sub.add_parser("optimize", help="apply a recipe to a model and write a package")
+    o.add_argument("model", nargs="?", default=None,
+                   help="zoo name (fmnist-flux, flux-tiny, sd3-tiny, wan-tiny) or a local diffusers directory; "
+                   "default: the embedded model")
+    o.add_argument("--recipe", default="default",
+                   help="none, w8a8-dynamic, default; combine with '+'; or a .json/.yaml recipe file")
+    o.add_argument("--out", required=True, help="package directory to write (atomically)")
+    o.add_argument("--force", action="store_true", help="replace an existing package at --out")
+    o.add_argument("--eval-samples", type=int, default=20, help="samples in the quality report (0 skips it)")
+    o.add_argument("--steps", type=int, default=None, help="denoising steps for the quality report")
+    o.add_argument("--guidance", type=float, default=None, help="guidance scale for the quality report")
+    o.set_defaults(func=cmd_optimize)
+
+    r = sub.add_parser("run", help="load a package and generate an image")
+    r.add_argument("package")
+    r.add_argument("--prompt", required=True, action="append", help="repeat for several images")
+    r.add_argument("--negative-prompt", default=None)
+    r.add_argument("--steps", type=int, default=None)
+    r.add_argument("--guidance", type=float, default=None)
+    r.add_argument("--seed", type=int, default=0, help="seed of the first image; image i uses seed + i")
+    r.add_argument("--height", type=int, default=None)
+    r.add_argument("--width", type=int, default=None)
+    r.add_argument("--out", default="sdkiln.png", help="PNG path; with several prompts, <stem>-<i>.png")
+    r.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, npu, ...")
+    r.set_defaults(func=cmd_run)
+
+    i = sub.add_parser("inspect", help="verify a package and show its recipe, layers, sizes and quality")
+    i.add_argument("package")
+    i.add_argument("--json", action="store_true", help="the manifest plus a summary object")
+    i.set_defaults(func=cmd_inspect)
+
+    e = sub.add_parser("eval", help="recompute a package's quality against its base model")
+    e.add_argument("package")
+    e.add_argument("--num-samples", type=int, default=20)
+    e.add_argument("--steps", type=int, default=None)
+    e.add_argument("--guidance", type=float, default=None)
+    e.add_argument("--grid", default=None, help="write a side-by-side PNG (original left, optimized right)")
+    e.add_argument("--json", action="store_true")
+    e.set_defaults(func=cmd_eval)
+    return p
+
+
+def _quiet_libraries() -> None:
+    """diffusers and transformers warn on every tiny-model call (truncated prompts, missing
+    torchvision, shard-writing bars); the CLI shows errors only and its own progress."""
+    import diffusers
+    import transformers
+
+    diffusers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if not args.debug:
+        _quiet_libraries()
+    try:
+        return args.func(args)
+    except (SdkilnError, OSError) as exc:
+        if args.debug:
+            raise
+        print(f"sdkiln: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,124 @@
+"""Write a package atomically: build it in a temp directory beside the target, fsync, rename.
+
+An interrupted export leaves nothing at the target; an existing target is replaced only with
+``force=True`` and only after the new package is complete. The format is defined by the reader
+(``sdkiln.runtime.package``) and described in ``docs/package-format.md``.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from sdkiln import __version__
+from sdkiln.errors import PackageError
+from sdkiln.runtime.package import (
+    ALLOWED_SUFFIXES,
+    FORMAT_NAME,
+    MANIFEST,
+    QUALITY_REPORT,
+    SCHEMA_VERSION,
+    TRANSFORMER_WEIGHTS,
+    sha256_file,
+)
+
+
+def _fsync_tree(root: Path) -> None:
+    for dirpath, _, filenames in os.walk(root):
+        for name in filenames:
+            with open(Path(dirpath) / name, "rb") as fh:
+                os.fsync(fh.fileno())
+        fd = os.open(dirpath, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def transformer_tensors(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """The state dict plus non-persistent buffers (the runtime builds on meta and needs them too)."""
+    tensors = {k: v.detach().cpu().contiguous().clone() for k, v in model.state_dict().items()}
+    extra = [n for n, _ in model.named_buffers() if n not in tensors]
+    for name in extra:
+        tensors[name] = model.get_buffer(name).detach().cpu().contiguous().clone()
+    return tensors, extra
+
+
+def _write_json(path: Path, data: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n", encoding="utf-8")
+
+
+def _write_components(tmp: Path, pipeline, transformer_attr: str) -> list[str]:
+    pipeline.save_config(tmp)  # model_index.json
+    for name, component in pipeline.components.items():
+        if component is None or name == transformer_attr:
+            continue
+        if not hasattr(component, "save_pretrained"):
+            raise PackageError(f"component {name!r} ({type(component).__name__}) cannot be saved without pickle")
+        component.save_pretrained(tmp / name)
+    transformer = getattr(pipeline, transformer_attr)
+    transformer.save_config(tmp / transformer_attr)
+    tensors, extra = transformer_tensors(transformer)
+    save_file(tensors, str(tmp / transformer_attr / TRANSFORMER_WEIGHTS), metadata={"format": "pt"})
+    return extra
+
+
+def write_package(
+    out_dir: str | os.PathLike,
+    pipeline,
+    manifest: dict[str, Any],
+    quality: dict[str, Any],
+    transformer_attr: str,
+    force: bool = False,
+) -> Path:
+    """Write ``pipeline`` (already optimized) with ``manifest`` fields and the quality report.
+
+    ``manifest`` carries model/recipe/modules; this function adds format, versions, time and files.
+    """
+    target = Path(out_dir)
+    if target.exists() and not force:
+        raise PackageError(f"{target}: already exists; pass --force (force=True) to replace it")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.parent / f".{target.name}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        extra = _write_components(tmp, pipeline, transformer_attr)
+        _write_json(tmp / QUALITY_REPORT, quality)
+        files = {}
+        for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
+            rel = path.relative_to(tmp).as_posix()
+            if not rel.endswith(ALLOWED_SUFFIXES):
+                raise PackageError(f"{rel}: written by a component's save_pretrained, but packages hold only {ALLOWED_SUFFIXES}")
+            os.chmod(path, 0o644)
+            files[rel] = {"sha256": sha256_file(path), "size": path.stat().st_size}
+        full = {
+            "format": FORMAT_NAME,
+            "schema_version": SCHEMA_VERSION,
+            "sdkiln_version": __version__,
+            "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            **manifest,
+            "files": files,
+        }
+        full["model"] = {**full["model"], "nonpersistent_buffers": extra}
+        _write_json(tmp / MANIFEST, full)
+        _fsync_tree(tmp)
+        if target.exists():
+            old = target.parent / f".{target.name}.old-{uuid.uuid4().hex[:8]}"
+            os.rename(target, old)
+            os.rename(tmp, target)
+            shutil.rmtree(old)
+        else:
+            os.rename(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target

@@ -1,0 +1,70 @@
+"""One ModelSpec per model family. ``get_spec(name)`` resolves a CLI model name."""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+
+from sdkiln.errors import ModelError
+from sdkiln.model_zoo.spec import BlockList, ModelSpec
+
+# name -> module that defines SPEC. Modules import lazily so `import sdkiln` stays light.
+_SPEC_MODULES = {
+    "fmnist-flux": "sdkiln.model_zoo.fmnist.spec",
+    "flux-tiny": "sdkiln.model_zoo.flux",
+    "sd3-tiny": "sdkiln.model_zoo.sd3",
+    "wan-tiny": "sdkiln.model_zoo.wan",
+}
+DEFAULT_MODEL = "fmnist-flux"
+
+
+def spec_names() -> list[str]:
+    return list(_SPEC_MODULES)
+
+
+def get_spec(name: str | None = None) -> ModelSpec:
+    name = name or DEFAULT_MODEL
+    if name not in _SPEC_MODULES:
+        raise ModelError(f"unknown model {name!r}: not a model name ({', '.join(_SPEC_MODULES)}) nor a directory")
+    return importlib.import_module(_SPEC_MODULES[name]).SPEC
+
+
+def spec_for_pipeline(pipeline) -> ModelSpec:
+    """The spec whose pipeline class matches ``pipeline`` (for models loaded from a directory)."""
+    cls = f"{type(pipeline).__module__}:{type(pipeline).__name__}"
+    short = type(pipeline).__name__
+    for name in _SPEC_MODULES:
+        spec = get_spec(name)
+        if spec.pipeline_class == cls or spec.pipeline_class.split(":")[-1] == short:
+            return spec
+    raise ModelError(f"no sdkiln model spec for pipeline class {short}; known families: {', '.join(_SPEC_MODULES)}")
+
+
+def _import_class(path: str):
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def load_model(model: str | None = None):
+    """A zoo name (or None: the embedded model) or a local diffusers directory -> (pipeline, spec, id)."""
+    if model is None or model in _SPEC_MODULES:
+        spec = get_spec(model)
+        return spec.build(), spec, spec.name
+    path = Path(model)
+    index = path / "model_index.json"
+    if not index.is_file():
+        raise ModelError(f"{model}: not a model name ({', '.join(_SPEC_MODULES)}) nor a diffusers directory with model_index.json")
+    try:
+        class_name = json.loads(index.read_text(encoding="utf-8"))["_class_name"]
+    except (json.JSONDecodeError, KeyError) as exc:
+        raise ModelError(f"{index}: unreadable model index ({exc})") from None
+    for name in _SPEC_MODULES:
+        spec = get_spec(name)
+        if spec.pipeline_class.split(":")[-1] == class_name:
+            pipe = _import_class(spec.pipeline_class).from_pretrained(str(path), use_safetensors=True)
+            return pipe, spec, str(path.resolve())
+    raise ModelError(f"{index}: pipeline class {class_name} has no sdkiln model spec ({', '.join(_SPEC_MODULES)})")
+
+
+__all__ = ["BlockList", "ModelSpec", "get_spec", "spec_names", "spec_for_pipeline", "load_model", "DEFAULT_MODEL"]

@@ -1,0 +1,133 @@
+"""FLUX.1: 19 double-stream (MMDiT) blocks then 38 single-stream blocks.
+
+Only Linear layers inside ``block_lists`` are quantized, so everything outside the blocks
+(``x_embedder``, ``context_embedder``, ``time_text_embed``, ``norm_out``, ``proj_out``) stays in
+float without being listed. ``float_layers`` names the in-block layers that must also stay float:
+the adaLN modulation linears, whose outputs (shift, scale, gate) multiply every activation of the
+block, so their error is amplified rather than averaged out.
+
+Both block kinds are called with ``hidden_states`` and ``encoder_hidden_states`` and return
+``(encoder_hidden_states, hidden_states)``; the single block concatenates the two streams inside
+and splits them again at its end. The pipeline exposes its packed latents ``(B, tokens, 4 * C)``
+to ``callback_on_step_end`` as ``"latents"``.
+
+The tiny build has ``guidance_embeds=False`` (FLUX.1-schnell/-dev style embeddings without the
+distilled guidance input), so guidance is true classifier-free guidance: ``true_cfg_scale`` > 1
+together with a ``negative_prompt`` runs a second, unconditional transformer pass per step.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from sdkiln.model_zoo.spec import BlockList, ModelSpec
+
+if TYPE_CHECKING:
+    from diffusers import FluxPipeline
+
+_SEED = 0
+_TEXT_DIM = 32
+_T5_MAX_LENGTH = 16
+
+
+def tiny() -> FluxPipeline:
+    """A real ``FluxPipeline`` at test size with fixed random weights (float32, eval mode).
+
+    Transformer: 2 double + 2 single blocks, width 128 (4 heads of 32), so every block Linear has
+    in/out features that are multiples of 16 and int8 weights plus scales weigh about 0.26x fp32. The VAE has one 2x downsample: a 32x32 image is a
+    16x16x16 latent, packed into 8x8 = 64 image tokens.
+
+    The diffusers and transformers imports live here so that reading the spec costs none of them.
+    """
+    import torch
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+
+    from sdkiln.model_zoo import tiny_text
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(_SEED)
+        transformer = FluxTransformer2DModel(
+            patch_size=1,
+            in_channels=64,
+            num_layers=2,
+            num_single_layers=2,
+            attention_head_dim=32,
+            num_attention_heads=4,
+            joint_attention_dim=_TEXT_DIM,
+            pooled_projection_dim=_TEXT_DIM,
+            guidance_embeds=False,
+            axes_dims_rope=(8, 12, 12),
+        ).eval()
+        vae = AutoencoderKL(
+            in_channels=3,
+            out_channels=3,
+            down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
+            up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
+            block_out_channels=(16, 16),
+            layers_per_block=1,
+            latent_channels=16,
+            norm_num_groups=8,
+            sample_size=32,
+            scaling_factor=0.3611,
+            shift_factor=0.1159,
+            use_quant_conv=False,
+            use_post_quant_conv=False,
+        ).eval()
+        text_encoder = tiny_text.clip_text_encoder(_TEXT_DIM)
+        text_encoder_2 = tiny_text.t5_text_encoder(_TEXT_DIM)
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        shift=3.0,
+        use_dynamic_shifting=True,
+        base_shift=0.5,
+        max_shift=1.15,
+        base_image_seq_len=256,
+        max_image_seq_len=4096,
+    )
+    return FluxPipeline(
+        scheduler=scheduler,
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tiny_text.clip_tokenizer(),
+        text_encoder_2=text_encoder_2,
+        tokenizer_2=tiny_text.t5_tokenizer(_T5_MAX_LENGTH),
+        transformer=transformer,
+    )
+
+
+SPEC = ModelSpec(
+    name="flux-tiny",
+    description="FLUX.1 architecture (double + single stream MMDiT) at test size with random weights",
+    pipeline_class="diffusers:FluxPipeline",
+    transformer_attr="transformer",
+    block_lists=(
+        BlockList(
+            "transformer_blocks",
+            inputs=("hidden_states", "encoder_hidden_states"),
+            outputs=("encoder_hidden_states", "hidden_states"),
+        ),
+        BlockList(
+            "single_transformer_blocks",
+            inputs=("hidden_states", "encoder_hidden_states"),
+            outputs=("encoder_hidden_states", "hidden_states"),
+        ),
+    ),
+    float_layers=(
+        "transformer_blocks.*.norm1.linear",
+        "transformer_blocks.*.norm1_context.linear",
+        "single_transformer_blocks.*.norm.linear",
+    ),
+    default_recipe="w8a8-dynamic",
+    build=tiny,
+    guidance_arg="true_cfg_scale",
+    call_defaults={
+        "num_inference_steps": 4,
+        "true_cfg_scale": 2.0,
+        "negative_prompt": "",
+        "height": 32,
+        "width": 32,
+        "max_sequence_length": _T5_MAX_LENGTH,
+        "output_type": "np",
+    },
+    eval_prompts=("a photo of a cat", "a red car on a mountain road", "a bowl of fruit, oil painting"),
+    calibration_prompts=("a photo of a dog", "a city skyline at night", "a watercolor of a lighthouse"),
+)

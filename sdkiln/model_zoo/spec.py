@@ -1,0 +1,71 @@
+"""What sdkiln knows about one model family, as data (STYLE.md habit 6).
+
+Generic code (optimizer, calibration, cache hooks) never branches on a model name: it reads the
+spec. A spec names the transformer's block lists, how each block kind passes hidden states, the
+layers that stay in float, the default recipe, how the family's pipeline is called, and builds a
+tiny random-weight pipeline of the real diffusers classes for tests and smoke runs.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class BlockList:
+    """One list of transformer blocks, e.g. FLUX's ``transformer_blocks``.
+
+    ``inputs`` are the forward argument names that carry hidden states into a block and
+    ``outputs`` the names of what the block returns, in return order. FLUX's double block takes
+    ``(hidden_states, encoder_hidden_states)`` and returns ``(encoder_hidden_states, hidden_states)``.
+    """
+
+    attr: str
+    inputs: tuple[str, ...] = ("hidden_states",)
+    outputs: tuple[str, ...] = ("hidden_states",)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    description: str
+    pipeline_class: str
+    """Import path ``module:Class`` of the pipeline; the runtime resolves it from an allow-list."""
+    transformer_attr: str
+    """Name of the denoiser component in the pipeline (``transformer`` or ``unet``)."""
+    block_lists: tuple[BlockList, ...]
+    float_layers: tuple[str, ...]
+    """fnmatch patterns over module names (relative to the transformer) kept in float."""
+    default_recipe: str
+    build: Callable[[], Any]
+    """Returns the family's default pipeline (tiny random weights, or the shipped embedded model)."""
+    guidance_arg: str = "guidance_scale"
+    """The pipeline call argument that sets classifier-free guidance."""
+    call_defaults: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments for a pipeline call: steps, guidance, resolution, anything family-specific."""
+    eval_prompts: tuple[str, ...] = ("a photo of a cat",)
+    """Held-out prompts for the quality report."""
+    calibration_prompts: tuple[str, ...] = ("a photo of a dog",)
+    metrics: Callable[[Any, list[str]], dict[str, float]] | None = None
+    """Model-specific metrics from generated images [N,H,W,C] in [0,1] and their prompts."""
+
+    def is_float_layer(self, name: str) -> bool:
+        return any(fnmatch.fnmatchcase(name, pattern) for pattern in self.float_layers)
+
+    def block_prefixes(self) -> tuple[str, ...]:
+        return tuple(f"{bl.attr}." for bl in self.block_lists)
+
+    def call_kwargs(
+        self, steps: int | None = None, guidance: float | None = None, **overrides: Any
+    ) -> dict[str, Any]:
+        """Pipeline call arguments with this family's defaults, the guidance under its own name."""
+        kwargs = dict(self.call_defaults)
+        if steps is not None:
+            kwargs["num_inference_steps"] = steps
+        if guidance is not None:
+            kwargs[self.guidance_arg] = guidance
+        kwargs.update({k: v for k, v in overrides.items() if v is not None})
+        return kwargs

@@ -1,0 +1,101 @@
+"""Wan2.1 text-to-video: one list of DiT blocks with self-attention, text cross-attention and FFN.
+
+Only Linear layers inside ``block_lists`` are quantized, so everything outside the blocks
+(``patch_embedding``, ``condition_embedder`` with its time and text projections, ``norm_out``,
+``proj_out``) stays in float without being listed. Unlike FLUX and SD3, a Wan block holds no
+modulation Linear: its shift/scale/gate come from the per-block ``scale_shift_table`` parameter
+added to the shared time projection computed outside the blocks, so ``float_layers`` is empty.
+
+A ``WanTransformerBlock`` is called with ``hidden_states`` (and the text ``encoder_hidden_states``,
+which it only reads, as cross-attention keys and values) and returns ``hidden_states``. The
+pipeline exposes its latents ``(B, C, F, H, W)`` to ``callback_on_step_end`` as ``"latents"``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from sdkiln.model_zoo.spec import BlockList, ModelSpec
+
+if TYPE_CHECKING:
+    from diffusers import WanPipeline
+
+_SEED = 0
+_TEXT_DIM = 32
+_T5_MAX_LENGTH = 16
+
+
+def tiny() -> WanPipeline:
+    """A real ``WanPipeline`` at test size with fixed random weights (float32, eval mode).
+
+    Transformer: 2 blocks, width 64 (2 heads of 32, so the 3D RoPE splits each head 12/10/10),
+    FFN 128. The VAE keeps Wan's 4x temporal and 8x spatial compression at base width 8: 5 frames
+    of 64x64 are a 2x8x8 latent, i.e. 2x4x4 = 32 tokens after the (1, 2, 2) patch.
+
+    The diffusers and transformers imports live here so that reading the spec costs none of them.
+    """
+    import torch
+    from diffusers import (
+        AutoencoderKLWan,
+        FlowMatchEulerDiscreteScheduler,
+        WanPipeline,
+        WanTransformer3DModel,
+    )
+
+    from sdkiln.model_zoo import tiny_text
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(_SEED)
+        transformer = WanTransformer3DModel(
+            patch_size=(1, 2, 2),
+            num_attention_heads=2,
+            attention_head_dim=32,
+            in_channels=16,
+            out_channels=16,
+            text_dim=_TEXT_DIM,
+            freq_dim=64,
+            ffn_dim=128,
+            num_layers=2,
+            cross_attn_norm=True,
+            qk_norm="rms_norm_across_heads",
+            rope_max_seq_len=32,
+        ).eval()
+        vae = AutoencoderKLWan(
+            base_dim=8,
+            z_dim=16,
+            dim_mult=[1, 1, 1, 1],
+            num_res_blocks=1,
+            temperal_downsample=[False, True, True],
+        ).eval()
+        text_encoder = tiny_text.umt5_text_encoder(_TEXT_DIM)
+    return WanPipeline(
+        tokenizer=tiny_text.t5_tokenizer(_T5_MAX_LENGTH),
+        text_encoder=text_encoder,
+        vae=vae,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+        transformer=transformer,
+    )
+
+
+SPEC = ModelSpec(
+    name="wan-tiny",
+    description="Wan2.1 text-to-video architecture at test size with random weights",
+    pipeline_class="diffusers:WanPipeline",
+    transformer_attr="transformer",
+    block_lists=(BlockList("blocks", inputs=("hidden_states",), outputs=("hidden_states",)),),
+    float_layers=(),
+    default_recipe="w8a8-dynamic",
+    build=tiny,
+    guidance_arg="guidance_scale",
+    call_defaults={
+        "num_inference_steps": 4,
+        "guidance_scale": 5.0,
+        "height": 64,
+        "width": 64,
+        "num_frames": 5,
+        "max_sequence_length": _T5_MAX_LENGTH,
+        "output_type": "np",
+    },
+    eval_prompts=("a cat walking on grass", "waves breaking on a beach", "a car driving through rain"),
+    calibration_prompts=("a dog running in a park", "clouds moving over mountains", "a candle flickering"),
+)

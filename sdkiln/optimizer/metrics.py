@@ -1,0 +1,70 @@
+"""Image and latent similarity metrics, implemented here so nothing downloads a metric network.
+
+Images are float arrays in [0, 1] shaped [N, H, W, C] (video [N, F, H, W, C] is scored frame by
+frame). Every function returns one value per sample; reports aggregate them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+
+def _frames(x: np.ndarray) -> torch.Tensor:
+    """[N, ..., H, W, C] -> float64 [N, frames, C, H, W]."""
+    t = torch.as_tensor(np.asarray(x), dtype=torch.float64)
+    if t.ndim == 4:
+        t = t.unsqueeze(1)
+    if t.ndim != 5:
+        raise ValueError(f"images must be [N,H,W,C] or [N,F,H,W,C], got shape {tuple(t.shape)}")
+    return t.permute(0, 1, 4, 2, 3)
+
+
+def psnr(a: np.ndarray, b: np.ndarray, data_range: float = 1.0) -> np.ndarray:
+    """Peak signal-to-noise ratio in dB per sample; identical samples give +inf."""
+    ta, tb = _frames(a), _frames(b)
+    mse = ((ta - tb) ** 2).flatten(1).mean(1)
+    with np.errstate(divide="ignore"):
+        return (10 * torch.log10(data_range**2 / mse)).numpy()
+
+
+def _gaussian_window(size: int, sigma: float) -> torch.Tensor:
+    coords = torch.arange(size, dtype=torch.float64) - (size - 1) / 2
+    g = torch.exp(-(coords**2) / (2 * sigma**2))
+    g = g / g.sum()
+    return g[:, None] * g[None, :]
+
+
+def ssim(a: np.ndarray, b: np.ndarray, data_range: float = 1.0) -> np.ndarray:
+    """Structural similarity per sample (Wang et al. 2004: 11x11 Gaussian window, sigma 1.5,
+    K1=0.01, K2=0.03, mean over valid positions, channels and frames). Images smaller than the
+    window use the largest odd window that fits."""
+    ta, tb = _frames(a), _frames(b)
+    n, f, c, h, w = ta.shape
+    size = min(11, h if h % 2 else h - 1, w if w % 2 else w - 1)
+    window = _gaussian_window(size, 1.5 * size / 11).expand(c, 1, size, size)
+    x, y = ta.reshape(n * f, c, h, w), tb.reshape(n * f, c, h, w)
+
+    def blur(z):
+        return F.conv2d(z, window, groups=c)
+
+    mu_x, mu_y = blur(x), blur(y)
+    sxx = blur(x * x) - mu_x**2
+    syy = blur(y * y) - mu_y**2
+    sxy = blur(x * y) - mu_x * mu_y
+    c1, c2 = (0.01 * data_range) ** 2, (0.03 * data_range) ** 2
+    s = ((2 * mu_x * mu_y + c1) * (2 * sxy + c2)) / ((mu_x**2 + mu_y**2 + c1) * (sxx + syy + c2))
+    return s.reshape(n, -1).mean(1).numpy()
+
+
+def cosine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    ta = torch.as_tensor(np.asarray(a), dtype=torch.float64).flatten(1)
+    tb = torch.as_tensor(np.asarray(b), dtype=torch.float64).flatten(1)
+    return F.cosine_similarity(ta, tb, dim=1, eps=1e-12).numpy()
+
+
+def rel_l2(test: torch.Tensor, ref: torch.Tensor) -> np.ndarray:
+    """||test - ref|| / ||ref|| per sample."""
+    t, r = test.detach().double().flatten(1).cpu(), ref.detach().double().flatten(1).cpu()
+    return ((t - r).norm(dim=1) / r.norm(dim=1).clamp_min(1e-30)).numpy()

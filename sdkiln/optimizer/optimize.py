@@ -1,0 +1,101 @@
+"""``sdkiln.optimize``: apply a recipe to a model, measure it against the original, write a package."""
+
+from __future__ import annotations
+
+import copy
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from sdkiln.configs import RecipeConfig
+from sdkiln.export import write_package
+from sdkiln.model_zoo import ModelSpec, load_model, spec_for_pipeline
+from sdkiln.model_zoo.fingerprint import fingerprint
+from sdkiln.optimizer import w8a8_dynamic  # noqa: F401  (registers its transform)
+from sdkiln.optimizer.evaluate import compare
+from sdkiln.optimizer.recipes import resolve_recipe
+from sdkiln.optimizer.registry import StepContext, apply_step
+
+DEFAULT_EVAL_SAMPLES = 20
+
+
+@dataclass
+class OptimizeResult:
+    pipeline: Any
+    """The optimized pipeline, in memory (shares every component but the transformer with the base)."""
+    base: Any
+    spec: ModelSpec
+    manifest: dict[str, Any]
+    quality: dict[str, Any] | None
+    package: Path | None
+
+
+def _dtype_name(module: torch.nn.Module) -> str:
+    floats = [p.dtype for p in module.parameters() if p.is_floating_point()]
+    return str(floats[0] if floats else torch.float32).removeprefix("torch.")
+
+
+def _class_path(cls: type) -> str:
+    """``module:Class``, with diffusers classes named from the top-level package as the runtime resolves them."""
+    module = "diffusers" if cls.__module__.startswith("diffusers.") else cls.__module__
+    return f"{module}:{cls.__name__}"
+
+
+def optimize(
+    model: Any = None,
+    recipe: str | RecipeConfig = "default",
+    out_dir: str | os.PathLike | None = None,
+    forward_loop: Callable[[Any], None] | None = None,
+    *,
+    force: bool = False,
+    eval_samples: int = DEFAULT_EVAL_SAMPLES,
+    eval_steps: int | None = None,
+    eval_guidance: float | None = None,
+) -> OptimizeResult:
+    """Optimize ``model`` (a pipeline, a zoo name, a local diffusers directory, or None for the
+    embedded model) with ``recipe`` and, if ``out_dir`` is given, write the package there.
+
+    ``forward_loop(pipeline)`` runs calibration data through the model for steps that calibrate;
+    steps that need none ignore it. ``eval_samples=0`` skips the quality report.
+    """
+    recipe = resolve_recipe(recipe)
+    if isinstance(model, str | os.PathLike) or model is None:
+        base, spec, base_id = load_model(None if model is None else str(model))
+    else:
+        base, spec, base_id = model, spec_for_pipeline(model), type(model).__name__
+    attr = spec.transformer_attr
+    base_transformer = getattr(base, attr)
+    optimized = type(base)(**{**base.components, attr: copy.deepcopy(base_transformer)})
+    ctx = StepContext(pipeline=optimized, spec=spec, forward_loop=forward_loop)
+    steps, modules = [], {}
+    for config in recipe.steps:
+        result = apply_step(ctx, config)
+        modules.update(result.modules)
+        steps.append({"config": config.to_dict(), "result": result.record})
+    manifest = {
+        "model": {
+            "family": spec.name,
+            "base_id": base_id,
+            **fingerprint(base_transformer),
+            "pipeline_class": _class_path(type(base)),
+            "transformer_attr": attr,
+            "transformer_class": type(base_transformer).__name__,
+            "dtype": _dtype_name(base_transformer),
+        },
+        "call": {"guidance_arg": spec.guidance_arg, "defaults": spec.call_kwargs()},
+        "recipe": {"name": recipe.name, "version": recipe.version, "steps": steps},
+        "modules": modules,
+    }
+    quality = None
+    if eval_samples > 0:
+        quality, _, _ = compare(base, optimized, spec, eval_samples, eval_steps, eval_guidance)
+    package = None
+    if out_dir is not None:
+        package = write_package(
+            out_dir, optimized, manifest, quality or {"skipped": "optimize ran with eval_samples=0"}, attr, force=force
+        )
+    return OptimizeResult(optimized, base, spec, manifest, quality, package)

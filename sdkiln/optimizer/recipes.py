@@ -1,0 +1,57 @@
+"""Recipe names -> ordered step configs. Names combine with '+'; a JSON/YAML file is a recipe too."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+from sdkiln.configs import RecipeConfig, StepConfig, W8A8DynamicConfig
+from sdkiln.errors import RecipeError
+
+NAMED_RECIPES: dict[str, Callable[[], list[StepConfig]]] = {
+    "none": lambda: [],
+    "w8a8-dynamic": lambda: [W8A8DynamicConfig()],
+}
+ALIASES = {"default": "w8a8-dynamic"}
+
+
+def resolve_recipe(recipe: str | RecipeConfig) -> RecipeConfig:
+    """A recipe from a name (``w8a8-dynamic``, ``a+b``, ``default``), a JSON/YAML file, or a config."""
+    if isinstance(recipe, RecipeConfig):
+        return recipe
+    if recipe.endswith((".json", ".yaml", ".yml")):
+        return _recipe_file(Path(recipe))
+    steps: list[StepConfig] = []
+    for part in recipe.split("+"):
+        name = ALIASES.get(part.strip(), part.strip())
+        if name not in NAMED_RECIPES:
+            known = ", ".join(sorted([*NAMED_RECIPES, *ALIASES]))
+            raise RecipeError(f"unknown recipe {part!r}; known: {known}, or a .json/.yaml recipe file")
+        steps.extend(NAMED_RECIPES[name]())
+    kinds = [s.kind for s in steps]
+    if len(set(kinds)) != len(kinds):
+        raise RecipeError(f"recipe {recipe!r} applies the same step twice: {kinds}")
+    return RecipeConfig(name=recipe, steps=steps)
+
+
+def _recipe_file(path: Path) -> RecipeConfig:
+    if not path.is_file():
+        raise RecipeError(f"{path}: recipe file not found")
+    text = path.read_text(encoding="utf-8")
+    try:
+        if path.suffix == ".json":
+            data = json.loads(text)
+        else:
+            import yaml
+
+            data = yaml.safe_load(text)
+    except Exception as exc:  # json and yaml raise different types; both mean "not parseable"
+        raise RecipeError(f"{path}: cannot parse recipe ({exc})") from None
+    data = dict(data) if isinstance(data, dict) else data
+    if isinstance(data, dict):
+        data.setdefault("name", path.stem)
+    try:
+        return RecipeConfig.from_dict(data)
+    except RecipeError as exc:
+        raise RecipeError(f"{path}: {exc}") from None

@@ -1,0 +1,56 @@
+"""Step config class -> transform. One registration per technique (STYLE.md habit 1)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from sdkiln.configs import StepConfig
+from sdkiln.model_zoo import ModelSpec
+
+
+@dataclass
+class StepContext:
+    """What a transform may use: the pipeline being optimized, its spec, and the calibration loop."""
+
+    pipeline: Any
+    spec: ModelSpec
+    forward_loop: Callable[[Any], None] | None
+
+    @property
+    def transformer(self) -> nn.Module:
+        return getattr(self.pipeline, self.spec.transformer_attr)
+
+
+@dataclass
+class StepResult:
+    """What a step decided: ``modules`` maps layer name -> {"scheme": ...} for the runtime to swap;
+    ``record`` is everything else worth auditing (kept in the manifest with the step's config)."""
+
+    modules: dict[str, dict[str, Any]]
+    record: dict[str, Any]
+
+
+Transform = Callable[[StepContext, StepConfig], StepResult]
+_TRANSFORMS: dict[type[StepConfig], Transform] = {}
+
+
+def register_transform(config_cls: type[StepConfig]) -> Callable[[Transform], Transform]:
+    def wrap(fn: Transform) -> Transform:
+        if config_cls in _TRANSFORMS:
+            raise ValueError(f"a transform for {config_cls.__name__} is registered twice")
+        _TRANSFORMS[config_cls] = fn
+        return fn
+
+    return wrap
+
+
+def apply_step(ctx: StepContext, config: StepConfig) -> StepResult:
+    try:
+        transform = _TRANSFORMS[type(config)]
+    except KeyError:
+        raise TypeError(f"no transform registered for {type(config).__name__}") from None
+    return transform(ctx, config)

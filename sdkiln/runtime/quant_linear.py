@@ -1,0 +1,56 @@
+"""Runtime modules that replace ``nn.Linear`` in a quantized transformer.
+
+Tensor names follow Ascend's msModelSlim format (``weight``, ``weight_scale``, ``weight_offset``,
+``bias``), so the package's safetensors and the Ascend export share one naming. The manifest names
+a scheme per layer; ``QUANT_MODULES`` maps each scheme to the module that runs it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from sdkiln import kernels
+
+
+class W8A8Linear(nn.Module):
+    """int8 per-channel symmetric weight; activations quantized per token at run time (W8A8_DYNAMIC).
+
+    y = (q(x) @ Wq^T) * s_x * s_w + bias, accumulated exactly in int32 by ``sdkiln::w8a8_linear``.
+    """
+
+    scheme = "W8A8_DYNAMIC"
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype=torch.float32, device=None):
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.register_buffer("weight", torch.empty(out_features, in_features, dtype=torch.int8, device=device))
+        self.register_buffer("weight_scale", torch.empty(out_features, 1, dtype=torch.float32, device=device))
+        self.register_buffer("weight_offset", torch.empty(out_features, 1, dtype=torch.float32, device=device))
+        if bias:
+            self.register_buffer("bias", torch.empty(out_features, dtype=dtype, device=device))
+        else:
+            self.bias = None
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> W8A8Linear:
+        w = linear.weight.detach().float()
+        scale = w.abs().amax(dim=1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny) / 127.0
+        mod = cls(linear.in_features, linear.out_features, linear.bias is not None, linear.weight.dtype, w.device)
+        mod.weight.copy_(torch.round(w / scale).clamp_(-127, 127).to(torch.int8))
+        mod.weight_scale.copy_(scale)
+        mod.weight_offset.zero_()
+        if linear.bias is not None:
+            mod.bias.copy_(linear.bias.detach())
+        return mod
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x_q, x_scale = kernels.quantize_per_token_int8(x)
+        return kernels.w8a8_linear(x_q, x_scale, self.weight, self.weight_scale, self.bias, x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.scheme}"
+
+
+QUANT_MODULES: dict[str, type[nn.Module]] = {W8A8Linear.scheme: W8A8Linear}

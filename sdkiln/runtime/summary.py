@@ -1,0 +1,65 @@
+"""What ``sdkiln inspect`` reports: read from the verified package's files, never recomputed from memory."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from safetensors import safe_open
+
+from sdkiln.runtime.package import TRANSFORMER_WEIGHTS, Package
+
+# Tensors a quantized layer stores besides its (unchanged, float) bias.
+QUANT_TENSORS = ("weight", "weight_scale", "weight_offset")
+_ITEMSIZE = {"I8": 1, "U8": 1, "F16": 2, "BF16": 2, "F32": 4, "F64": 8, "I32": 4, "I64": 8, "F8_E4M3": 1}
+
+
+def summarize(pkg: Package) -> dict[str, Any]:
+    """Layers quantized and kept in float, and the quantized layers' bytes against fp32.
+
+    ``quantized_bytes`` counts what a quantized layer stores for its weight (int8 values, scales,
+    offsets); ``quantized_float_bytes`` is what the same weights weigh in float32. Biases are float
+    in both and are not counted.
+    """
+    m = pkg.manifest
+    attr = m["model"]["transformer_attr"]
+    modules = m["modules"]
+    float_layers = sorted({n for step in m["recipe"]["steps"] for n in step["result"].get("float", [])} - set(modules))
+    qbytes = fbytes = 0
+    with safe_open(pkg.path(f"{attr}/{TRANSFORMER_WEIGHTS}"), framework="pt") as fh:
+        keys = set(fh.keys())
+        for layer in modules:
+            for suffix in QUANT_TENSORS:
+                key = f"{layer}.{suffix}"
+                if key not in keys:
+                    continue
+                sl = fh.get_slice(key)
+                numel = _numel(sl.get_shape())
+                qbytes += numel * _ITEMSIZE[sl.get_dtype()]
+                if suffix == "weight":
+                    fbytes += numel * 4
+        total = sum(
+            _ITEMSIZE[fh.get_slice(k).get_dtype()] * _numel(fh.get_slice(k).get_shape()) for k in keys
+        )
+    schemes: dict[str, int] = {}
+    for info in modules.values():
+        schemes[info["scheme"]] = schemes.get(info["scheme"], 0) + 1
+    return {
+        "recipe": m["recipe"]["name"],
+        "steps": [s["config"]["kind"] for s in m["recipe"]["steps"]],
+        "layers_quantized": len(modules),
+        "layers_float": len(float_layers),
+        "float_layer_names": float_layers,
+        "schemes": schemes,
+        "quantized_bytes": qbytes,
+        "quantized_float_bytes": fbytes,
+        "quantized_ratio": (qbytes / fbytes) if fbytes else None,
+        "transformer_bytes": total,
+        "package_bytes": sum(f["size"] for f in m["files"].values()),
+    }
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n

@@ -1,0 +1,1 @@
+"""Sparsity (sparse attention calibration, weight sparsity). No technique ships here yet."""

@@ -1,0 +1,36 @@
+"""Test-wide settings: one torch thread (2-core CI), Triton's interpreter, markers, --run-slow."""
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
+
+
+def pytest_addoption(parser):
+    parser.addoption("--run-slow", action="store_true", help="also run tests marked slow (make test-all)")
+
+
+def pytest_configure(config):
+    for marker, text in [
+        ("slow", "too slow for the 15-minute CI budget; runs under make test-all"),
+        ("gpu", "needs a CUDA device"),
+        ("npu", "needs an Ascend NPU"),
+        ("distributed", "spawns several processes"),
+    ]:
+        config.addinivalue_line("markers", f"{marker}: {text}")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--run-slow"):
+        return
+    skip = pytest.mark.skip(reason="slow: run with make test-all (--run-slow)")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)

@@ -1,0 +1,83 @@
+"""The CLI end to end on the tiny zoo models: packages load and generate; errors are one line."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from sdkiln.cli import main
+
+QUANTIZED_BYTES_CEILING = 0.27  # int8 weights + scales vs fp32 weights (issue acceptance)
+
+
+def run_cli(*args):
+    proc = subprocess.run([sys.executable, "-m", "sdkiln.cli", *args], capture_output=True, text=True)
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+@pytest.fixture(scope="module")
+def packages(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli")
+    out = {}
+    for name in ("flux-tiny", "sd3-tiny", "wan-tiny"):
+        assert main(["optimize", name, "--recipe", "w8a8-dynamic", "--out", str(root / name), "--eval-samples", "2"]) == 0
+        out[name] = root / name
+    return out
+
+
+@pytest.mark.parametrize("name", ["flux-tiny", "sd3-tiny", "wan-tiny"])
+def test_packages_load_and_generate(packages, name, tmp_path, capsys):
+    png = tmp_path / "out.png"
+    assert main(["run", str(packages[name]), "--prompt", "a red cube", "--seed", "1", "--out", str(png)]) == 0
+    assert png.stat().st_size > 0
+
+
+def test_inspect_json_reports_quantized_bytes(packages, capsys):
+    capsys.readouterr()
+    assert main(["inspect", str(packages["flux-tiny"]), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    s = report["summary"]
+    assert s["layers_quantized"] > 0 and s["layers_float"] > 0
+    assert s["quantized_bytes"] <= QUANTIZED_BYTES_CEILING * s["quantized_float_bytes"]
+    assert report["schema_version"] == 1 and "files" in report
+
+
+def test_eval_json_recomputes_quality(packages, capsys):
+    capsys.readouterr()
+    assert main(["eval", str(packages["flux-tiny"]), "--num-samples", "2", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert {"psnr", "ssim", "cosine", "latent_rel_l2", "num_samples", "steps"} <= set(report)
+    assert report["num_samples"] == 2
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["optimize", "/no/such/model", "--out", "x"], "/no/such/model"),
+        (["optimize", "flux-tiny", "--recipe", "int3", "--out", "x"], "unknown recipe 'int3'"),
+        (["inspect", "/no/such/package"], "no such package directory"),
+    ],
+)
+def test_bad_input_is_one_line_without_traceback(args, message, tmp_path):
+    code, out, err = run_cli(*args)
+    assert code == 2 and message in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_tampered_package_and_foreign_base_model(packages, tmp_path):
+    import shutil
+
+    root = tmp_path / "p"
+    shutil.copytree(packages["flux-tiny"], root)
+    (root / "eval" / "quality.json").write_text("{}")
+    code, _, err = run_cli("inspect", str(root))
+    assert code == 2 and "eval/quality.json: size" in err and "Traceback" not in err
+
+    shutil.rmtree(root)
+    shutil.copytree(packages["flux-tiny"], root)
+    manifest = json.loads((root / "manifest.json").read_text())
+    manifest["model"]["weights_hash"] = "0" * 64
+    (root / "manifest.json").write_text(json.dumps(manifest))
+    code, _, err = run_cli("eval", str(root), "--num-samples", "1")
+    assert code == 2 and "does not match" in err and "Traceback" not in err
