@@ -25,10 +25,18 @@ def register_config(cls: type[StepConfig]) -> type[StepConfig]:
 
 @dataclass
 class StepConfig:
-    """One recipe step. Subclasses set ``kind`` and ``version`` and validate in ``__post_init__``."""
+    """One recipe step. Subclasses set ``kind``, ``version``, ``order`` and ``transform_module`` and
+    validate in ``__post_init__``.
+
+    ``order`` places the step in a recipe whatever order its names were given in (smoothing before
+    quantization before caching); ``transform_module`` is the ``sdkiln.optimizer`` module whose
+    registered transform applies it, imported only when the step runs.
+    """
 
     kind: ClassVar[str] = ""
     version: ClassVar[int] = 1
+    order: ClassVar[int] = 50
+    transform_module: ClassVar[str] = ""
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"kind": self.kind, "version": self.version}
@@ -59,6 +67,12 @@ class StepConfig:
             raise RecipeError(f"step {kind!r}: {exc}") from None
 
 
+def _patterns(value) -> tuple[str, ...]:
+    if isinstance(value, str) or not all(isinstance(p, str) for p in value):
+        raise ValueError("exclude must be a list of fnmatch patterns")
+    return tuple(value)
+
+
 @register_config
 @dataclass
 class W8A8DynamicConfig(StepConfig):
@@ -69,12 +83,152 @@ class W8A8DynamicConfig(StepConfig):
     """
 
     kind: ClassVar[str] = "w8a8_dynamic"
+    order: ClassVar[int] = 20
+    transform_module: ClassVar[str] = "sdkiln.optimizer.w8a8_dynamic"
     exclude: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        if isinstance(self.exclude, str) or not all(isinstance(p, str) for p in self.exclude):
-            raise ValueError("exclude must be a list of fnmatch patterns")
-        self.exclude = tuple(self.exclude)
+        self.exclude = _patterns(self.exclude)
+
+
+def _check_calibration(cfg) -> None:
+    if cfg.calib_samples < 1:
+        raise ValueError("calib_samples must be >= 1")
+    if cfg.calib_steps is not None and cfg.calib_steps < 1:
+        raise ValueError("calib_steps must be >= 1 (or null for the deployment steps)")
+
+
+@register_config
+@dataclass
+class SmoothQuantConfig(StepConfig):
+    """SmoothQuant before a static int8 step: per-layer alpha searched on ``alphas`` by output error.
+
+    The smoothing factor is folded into the preceding modulation/norm where that is exact; otherwise
+    the layer keeps an input multiplier (``<layer>.div.mul_scale``).
+    """
+
+    kind: ClassVar[str] = "smoothquant"
+    order: ClassVar[int] = 10
+    transform_module: ClassVar[str] = "sdkiln.optimizer.smoothquant"
+    alphas: tuple[float, ...] = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8)
+    exclude: tuple[str, ...] = ()
+    calib_samples: int = 8
+    calib_steps: int | None = None
+
+    def __post_init__(self) -> None:
+        self.exclude = _patterns(self.exclude)
+        self.alphas = tuple(float(a) for a in self.alphas)
+        if not self.alphas or not all(0.0 <= a <= 1.0 for a in self.alphas):
+            raise ValueError("alphas must be a non-empty list of values in [0, 1]")
+        _check_calibration(self)
+
+
+@register_config
+@dataclass
+class W8A8StaticConfig(StepConfig):
+    """W8A8 static: per-tensor asymmetric activations from calibration, per-channel symmetric weights."""
+
+    kind: ClassVar[str] = "w8a8_static"
+    order: ClassVar[int] = 20
+    transform_module: ClassVar[str] = "sdkiln.optimizer.w8a8_static"
+    exclude: tuple[str, ...] = ()
+    calib_samples: int = 8
+    calib_steps: int | None = None
+
+    def __post_init__(self) -> None:
+        self.exclude = _patterns(self.exclude)
+        _check_calibration(self)
+
+
+@register_config
+@dataclass
+class W8A8TimestepConfig(StepConfig):
+    """W8A8 with static activation parameters per denoising step, dynamic for the first k steps.
+
+    k is searched over ``dynamic_steps`` by final-output error on the calibration prompts.
+    """
+
+    kind: ClassVar[str] = "w8a8_timestep"
+    order: ClassVar[int] = 20
+    transform_module: ClassVar[str] = "sdkiln.optimizer.w8a8_timestep"
+    exclude: tuple[str, ...] = ()
+    dynamic_steps: tuple[int, ...] = (0, 1, 2, 4, 8)
+    calib_samples: int = 8
+    calib_steps: int | None = None
+
+    def __post_init__(self) -> None:
+        self.exclude = _patterns(self.exclude)
+        self.dynamic_steps = tuple(int(k) for k in self.dynamic_steps)
+        if not self.dynamic_steps or min(self.dynamic_steps) < 0:
+            raise ValueError("dynamic_steps must be a non-empty list of step counts >= 0")
+        _check_calibration(self)
+
+
+@register_config
+@dataclass
+class FP8DynamicConfig(StepConfig):
+    """float8_e4m3fn per-channel weights, per-token dynamic float8 activations."""
+
+    kind: ClassVar[str] = "fp8_dynamic"
+    order: ClassVar[int] = 20
+    transform_module: ClassVar[str] = "sdkiln.optimizer.fp8_dynamic"
+    exclude: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        self.exclude = _patterns(self.exclude)
+
+
+@register_config
+@dataclass
+class W8A16Config(StepConfig):
+    """Weight-only int8, per-channel symmetric; activations stay in float."""
+
+    kind: ClassVar[str] = "w8a16"
+    order: ClassVar[int] = 20
+    transform_module: ClassVar[str] = "sdkiln.optimizer.weight_only"
+    exclude: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        self.exclude = _patterns(self.exclude)
+
+
+@register_config
+@dataclass
+class W4A16Config(StepConfig):
+    """Weight-only int4, group-wise symmetric (``group_size`` 64 or 128), two values per byte."""
+
+    kind: ClassVar[str] = "w4a16"
+    order: ClassVar[int] = 20
+    transform_module: ClassVar[str] = "sdkiln.optimizer.weight_only"
+    exclude: tuple[str, ...] = ()
+    group_size: int = 128
+
+    def __post_init__(self) -> None:
+        self.exclude = _patterns(self.exclude)
+        if self.group_size not in (64, 128):
+            raise ValueError("group_size must be 64 or 128")
+
+
+@register_config
+@dataclass
+class QuantAutoConfig(StepConfig):
+    """Mixed precision under a quality floor: each layer takes ``scheme`` if its output SQNR on
+    calibration data is at least ``sqnr_floor_db``, else the first fallback that reaches it, else float."""
+
+    kind: ClassVar[str] = "quant_auto"
+    order: ClassVar[int] = 20
+    transform_module: ClassVar[str] = "sdkiln.optimizer.quant_auto"
+    scheme: str = "w8a8_static"
+    fallbacks: tuple[str, ...] = ("w8a8_dynamic",)
+    sqnr_floor_db: float = 25.0
+    exclude: tuple[str, ...] = ()
+    calib_samples: int = 8
+    calib_steps: int | None = None
+
+    def __post_init__(self) -> None:
+        self.exclude = _patterns(self.exclude)
+        self.fallbacks = tuple(self.fallbacks)
+        _check_calibration(self)
 
 
 @dataclass

@@ -27,6 +27,7 @@ from sdkiln.runtime.package import (
     QUALITY_REPORT,
     SCHEMA_VERSION,
     TRANSFORMER_WEIGHTS,
+    check_relpath,
     sha256_file,
 )
 
@@ -72,6 +73,19 @@ def _write_components(tmp: Path, pipeline, transformer_attr: str) -> list[str]:
     return extra
 
 
+def _write_extra(tmp: Path, extra_files: dict[str, Any]) -> None:
+    for rel, content in extra_files.items():
+        check_relpath(rel)
+        path = tmp / rel
+        if path.exists():
+            raise PackageError(f"{rel}: two writers for one package file")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if rel.endswith(".safetensors"):
+            save_file({k: v.detach().cpu().contiguous() for k, v in content.items()}, str(path))
+        else:
+            _write_json(path, content)
+
+
 def write_package(
     out_dir: str | os.PathLike,
     pipeline,
@@ -79,10 +93,12 @@ def write_package(
     quality: dict[str, Any],
     transformer_attr: str,
     force: bool = False,
+    extra_files: dict[str, Any] | None = None,
 ) -> Path:
     """Write ``pipeline`` (already optimized) with ``manifest`` fields and the quality report.
 
     ``manifest`` carries model/recipe/modules; this function adds format, versions, time and files.
+    ``extra_files`` maps package paths to tensors (``.safetensors``) or JSON objects (``.json``).
     """
     target = Path(out_dir)
     if target.exists() and not force:
@@ -93,6 +109,7 @@ def write_package(
     try:
         extra = _write_components(tmp, pipeline, transformer_attr)
         _write_json(tmp / QUALITY_REPORT, quality)
+        _write_extra(tmp, extra_files or {})
         files = {}
         for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
             rel = path.relative_to(tmp).as_posix()

@@ -15,7 +15,6 @@ from sdkiln.configs import RecipeConfig
 from sdkiln.export import write_package
 from sdkiln.model_zoo import ModelSpec, load_model, spec_for_pipeline
 from sdkiln.model_zoo.fingerprint import fingerprint
-from sdkiln.optimizer import w8a8_dynamic  # noqa: F401  (registers its transform)
 from sdkiln.optimizer.evaluate import compare
 from sdkiln.optimizer.recipes import resolve_recipe
 from sdkiln.optimizer.registry import StepContext, apply_step
@@ -32,6 +31,8 @@ class OptimizeResult:
     manifest: dict[str, Any]
     quality: dict[str, Any] | None
     package: Path | None
+    files: dict[str, Any]
+    """Extra package files the steps produced (calibration statistics, schedules)."""
 
 
 def _dtype_name(module: torch.nn.Module) -> str:
@@ -71,10 +72,11 @@ def optimize(
     base_transformer = getattr(base, attr)
     optimized = type(base)(**{**base.components, attr: copy.deepcopy(base_transformer)})
     ctx = StepContext(pipeline=optimized, spec=spec, forward_loop=forward_loop)
-    steps, modules = [], {}
+    steps, modules, files = [], {}, {}
     for config in recipe.steps:
         result = apply_step(ctx, config)
         modules.update(result.modules)
+        files.update(result.files)
         steps.append({"config": config.to_dict(), "result": result.record})
     manifest = {
         "model": {
@@ -96,6 +98,12 @@ def optimize(
     package = None
     if out_dir is not None:
         package = write_package(
-            out_dir, optimized, manifest, quality or {"skipped": "optimize ran with eval_samples=0"}, attr, force=force
+            out_dir,
+            optimized,
+            manifest,
+            quality or {"skipped": "optimize ran with eval_samples=0"},
+            attr,
+            force=force,
+            extra_files=files,
         )
-    return OptimizeResult(optimized, base, spec, manifest, quality, package)
+    return OptimizeResult(optimized, base, spec, manifest, quality, package, files)

@@ -32,7 +32,7 @@ def resolve_recipe(recipe: str | RecipeConfig) -> RecipeConfig:
     kinds = [s.kind for s in steps]
     if len(set(kinds)) != len(kinds):
         raise RecipeError(f"recipe {recipe!r} applies the same step twice: {kinds}")
-    return RecipeConfig(name=recipe, steps=steps)
+    return RecipeConfig(name=recipe, steps=sorted(steps, key=lambda s: s.order))
 
 
 def _recipe_file(path: Path) -> RecipeConfig:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from torch import nn
@@ -28,10 +29,13 @@ class StepContext:
 @dataclass
 class StepResult:
     """What a step decided: ``modules`` maps layer name -> {"scheme": ...} for the runtime to swap;
-    ``record`` is everything else worth auditing (kept in the manifest with the step's config)."""
+    ``record`` is everything else worth auditing (kept in the manifest with the step's config);
+    ``files`` are extra package files (relative path -> dict of tensors, written as safetensors, or
+    a JSON-serializable object, written as JSON), e.g. ``calibration/stats.safetensors``."""
 
     modules: dict[str, dict[str, Any]]
     record: dict[str, Any]
+    files: dict[str, Any] = field(default_factory=dict)
 
 
 Transform = Callable[[StepContext, StepConfig], StepResult]
@@ -49,6 +53,8 @@ def register_transform(config_cls: type[StepConfig]) -> Callable[[Transform], Tr
 
 
 def apply_step(ctx: StepContext, config: StepConfig) -> StepResult:
+    if type(config) not in _TRANSFORMS:
+        importlib.import_module(config.transform_module)
     try:
         transform = _TRANSFORMS[type(config)]
     except KeyError:

@@ -8,7 +8,7 @@ from torch import nn
 
 from sdkiln.configs import W8A8DynamicConfig
 from sdkiln.optimizer.registry import StepContext, StepResult, register_transform
-from sdkiln.runtime.quant_linear import W8A8Linear
+from sdkiln.runtime.quant.w8a8_dynamic import W8A8Linear
 
 
 def block_linears(ctx: StepContext, exclude: tuple[str, ...] = ()) -> tuple[list[str], list[str]]:

@@ -2,6 +2,7 @@
 
 from sdkiln.runtime.loader import load
 from sdkiln.runtime.package import Package, open_package
-from sdkiln.runtime.quant_linear import QUANT_MODULES, W8A8Linear
+from sdkiln.runtime.quant import QUANT_MODULES, quant_module
+from sdkiln.runtime.quant.w8a8_dynamic import W8A8Linear
 
-__all__ = ["load", "open_package", "Package", "W8A8Linear", "QUANT_MODULES"]
+__all__ = ["load", "open_package", "Package", "W8A8Linear", "QUANT_MODULES", "quant_module"]

@@ -19,7 +19,7 @@ from torch import nn
 from sdkiln.errors import PackageError
 from sdkiln.kernels.platform import resolve_device
 from sdkiln.runtime.package import TRANSFORMER_WEIGHTS, Package, open_package
-from sdkiln.runtime.quant_linear import QUANT_MODULES
+from sdkiln.runtime.quant import SCHEME_MODULES, quant_module
 
 # Pipelines come from diffusers or from sdkiln's own model zoo, nowhere else.
 _PIPELINE_MODULES = ("diffusers", "sdkiln.model_zoo.")
@@ -41,10 +41,11 @@ def resolve_class(path: str, base: type, what: str) -> type:
 
 def _swap_modules(model: nn.Module, modules: dict[str, Any]) -> None:
     for name, info in modules.items():
-        scheme = info.get("scheme") if isinstance(info, dict) else None
-        if scheme not in QUANT_MODULES:
+        params = dict(info) if isinstance(info, dict) else {}
+        scheme = params.pop("scheme", None)
+        if scheme not in SCHEME_MODULES:
             raise PackageError(
-                f"manifest.json: layer {name!r} has unknown scheme {scheme!r}; this sdkiln runs {sorted(QUANT_MODULES)}"
+                f"manifest.json: layer {name!r} has unknown scheme {scheme!r}; this sdkiln runs {sorted(SCHEME_MODULES)}"
             )
         parent_name, _, leaf = name.rpartition(".")
         try:
@@ -57,8 +58,8 @@ def _swap_modules(model: nn.Module, modules: dict[str, Any]) -> None:
         setattr(
             parent,
             leaf,
-            QUANT_MODULES[scheme](
-                linear.in_features, linear.out_features, linear.bias is not None, linear.weight.dtype, "meta"
+            quant_module(scheme)(
+                linear.in_features, linear.out_features, linear.bias is not None, linear.weight.dtype, "meta", **params
             ),
         )
 

@@ -1,8 +1,7 @@
-"""Runtime modules that replace ``nn.Linear`` in a quantized transformer.
+"""W8A8_DYNAMIC at run time: int8 weights, activations quantized per token on the fly.
 
 Tensor names follow Ascend's msModelSlim format (``weight``, ``weight_scale``, ``weight_offset``,
-``bias``), so the package's safetensors and the Ascend export share one naming. The manifest names
-a scheme per layer; ``QUANT_MODULES`` maps each scheme to the module that runs it.
+``bias``), so the package's safetensors and the Ascend export share one naming.
 """
 
 from __future__ import annotations
@@ -11,8 +10,10 @@ import torch
 from torch import nn
 
 from sdkiln import kernels
+from sdkiln.runtime.quant import register_quant_module
 
 
+@register_quant_module
 class W8A8Linear(nn.Module):
     """int8 per-channel symmetric weight; activations quantized per token at run time (W8A8_DYNAMIC).
 
@@ -45,6 +46,9 @@ class W8A8Linear(nn.Module):
             mod.bias.copy_(linear.bias.detach())
         return mod
 
+    def params(self) -> dict:
+        return {}
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x_q, x_scale = kernels.quantize_per_token_int8(x)
         return kernels.w8a8_linear(x_q, x_scale, self.weight, self.weight_scale, self.bias, x.dtype)
@@ -52,5 +56,3 @@ class W8A8Linear(nn.Module):
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.scheme}"
 
-
-QUANT_MODULES: dict[str, type[nn.Module]] = {W8A8Linear.scheme: W8A8Linear}
