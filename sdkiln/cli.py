@@ -122,7 +122,7 @@ def cmd_eval(args) -> int:
 
     optimized = load(args.package, device="cpu")
     info = optimized.sdkiln_manifest["model"]
-    base, spec, _ = load_model(info["base_id"])
+    base, spec, _ = load_model(args.base or info["base_id"])
     if spec.name != info["family"]:
         spec = get_spec(info["family"])
     found = fingerprint(getattr(base, info["transformer_attr"]))
@@ -182,6 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     e = sub.add_parser("eval", help="recompute a package's quality against its base model")
     e.add_argument("package")
+    e.add_argument("--base", default=None, help="base model (zoo name or directory); default: the manifest's")
     e.add_argument("--num-samples", type=int, default=20)
     e.add_argument("--steps", type=int, default=None)
     e.add_argument("--guidance", type=float, default=None)

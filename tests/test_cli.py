@@ -81,3 +81,15 @@ def test_tampered_package_and_foreign_base_model(packages, tmp_path):
     (root / "manifest.json").write_text(json.dumps(manifest))
     code, _, err = run_cli("eval", str(root), "--num-samples", "1")
     assert code == 2 and "does not match" in err and "Traceback" not in err
+
+
+def test_optimize_from_a_local_diffusers_directory(tmp_path, capsys):
+    from sdkiln.model_zoo import get_spec
+
+    get_spec("flux-tiny").build().save_pretrained(tmp_path / "base")
+    out = tmp_path / "pkg"
+    assert main(["optimize", str(tmp_path / "base"), "--recipe", "w8a8-dynamic", "--out", str(out), "--eval-samples", "1"]) == 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["model"]["base_id"] == str((tmp_path / "base").resolve())
+    assert manifest["model"]["family"] == "flux-tiny"
+    assert main(["eval", str(out), "--num-samples", "1", "--json"]) == 0

@@ -56,18 +56,22 @@ def optimize(
     eval_samples: int = DEFAULT_EVAL_SAMPLES,
     eval_steps: int | None = None,
     eval_guidance: float | None = None,
+    base_id: str | None = None,
 ) -> OptimizeResult:
     """Optimize ``model`` (a pipeline, a zoo name, a local diffusers directory, or None for the
     embedded model) with ``recipe`` and, if ``out_dir`` is given, write the package there.
 
     ``forward_loop(pipeline)`` runs calibration data through the model for steps that calibrate;
-    steps that need none ignore it. ``eval_samples=0`` skips the quality report.
+    steps that need none ignore it. ``eval_samples=0`` skips the quality report. ``base_id`` names
+    the base model in the manifest (a zoo name or a directory ``sdkiln eval`` can rebuild it from);
+    for a pipeline object it defaults to the directory it was loaded from, else the family's name.
     """
     recipe = resolve_recipe(recipe)
     if isinstance(model, str | os.PathLike) or model is None:
         base, spec, base_id = load_model(None if model is None else str(model))
     else:
-        base, spec, base_id = model, spec_for_pipeline(model), type(model).__name__
+        base, spec = model, spec_for_pipeline(model)
+        base_id = base_id or getattr(model, "name_or_path", None) or spec.name
     attr = spec.transformer_attr
     base_transformer = getattr(base, attr)
     optimized = type(base)(**{**base.components, attr: copy.deepcopy(base_transformer)})
