@@ -12,7 +12,7 @@ export OMP_NUM_THREADS ?= 1
 export HF_HUB_OFFLINE := 1
 export TORCH_DEVICE_BACKEND_AUTOLOAD := 0
 
-.PHONY: setup setup-test demo test test-all lint dataset clean
+.PHONY: setup setup-test setup-bench demo test test-all lint dataset bench-quant clean
 
 $(PY):
 	@if $(PYTHON) -c "import torch" >/dev/null 2>&1; then \
@@ -36,8 +36,13 @@ $(VENV)/.setup-test: pyproject.toml $(VENV)/.setup
 	$(PIP) install -c $(VENV)/constraints.txt -e ".[test]"
 	@touch $@
 
+$(VENV)/.setup-bench: pyproject.toml $(VENV)/.setup
+	$(PIP) install -c $(VENV)/constraints.txt -e ".[bench]"
+	@touch $@
+
 setup: $(VENV)/.setup
 setup-test: $(VENV)/.setup-test
+setup-bench: $(VENV)/.setup-bench
 
 # Fashion-MNIST (Debian's dataset-fashion-mnist) is needed only to train the embedded model and
 # to score its classifier on real test images; without root the tests that need it skip and say so.
@@ -67,6 +72,11 @@ test-all: setup-test dataset
 lint: setup-test
 	$(VENV)/bin/ruff check sdkiln tests bench
 	$(VENV)/bin/ruff format --check sdkiln tests bench
+
+# Our quantization schemes against torchao and optimum-quanto on the embedded model, in one run
+# (about 20 minutes on 2 cores): bench/results/quant_fmnist.json and the table in docs/benchmarks.md.
+bench-quant: setup-bench
+	$(PY) bench/quant.py
 
 clean:
 	rm -rf build .pytest_cache

@@ -46,6 +46,30 @@ def cmd_optimize(args) -> int:
           f"{len(result.manifest['modules'])} layers quantized")
     print("\n".join(_quality_lines(result.quality or {})))
     print(f"package: {result.package}  ({time.perf_counter() - t0:.1f} s)")
+    if args.format == "ascend":
+        export = _export_ascend(result.package, f"{result.package}-ascend", args.ascend_dtype, args.force)
+        _print_ascend(export)
+    return 0
+
+
+def _export_ascend(package, out, dtype, force):
+    from sdkiln.export.ascend import export_ascend
+
+    return export_ascend(package, out, dtype=dtype, force=force)
+
+
+def _print_ascend(export) -> None:
+    layers = ", ".join(f"{n} {s}" for s, n in sorted(export.schemes.items()))
+    print(f"ascend ({export.model_quant_type}; {layers}): {export.description}")
+    print(f"  {export.weights}")
+    if export.timestep_policy:
+        k, t = export.timestep_policy["dynamic_steps"], export.timestep_policy["num_steps"]
+        print(f"  W8A8_TIMESTEP: run {t} steps; register steps {k}..{t - 1} as 'static' in MindIE SD's")
+        print("  TimestepPolicyConfig (steps it does not list run dynamic)")
+
+
+def cmd_export_ascend(args) -> int:
+    _print_ascend(_export_ascend(args.package, args.out, args.dtype, args.force))
     return 0
 
 
@@ -160,6 +184,18 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--eval-samples", type=int, default=20, help="samples in the quality report (0 skips it)")
     o.add_argument("--steps", type=int, default=None, help="denoising steps for the quality report")
     o.add_argument("--guidance", type=float, default=None, help="guidance scale for the quality report")
+    o.add_argument(
+        "--format",
+        choices=["package", "ascend"],
+        default="package",
+        help="ascend: also write MindIE SD's files to OUT-ascend (docs/ascend.md)",
+    )
+    o.add_argument(
+        "--ascend-dtype",
+        choices=["bfloat16", "float16"],
+        default=None,
+        help="with --format ascend: the dtype MindIE SD runs in (default: the model's)",
+    )
     o.set_defaults(func=cmd_optimize)
 
     r = sub.add_parser("run", help="load a package and generate an image")
@@ -189,6 +225,18 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--grid", default=None, help="write a side-by-side PNG (original left, optimized right)")
     e.add_argument("--json", action="store_true")
     e.set_defaults(func=cmd_eval)
+
+    a = sub.add_parser("export-ascend", help="write a package's MindIE SD / msModelSlim files")
+    a.add_argument("package")
+    a.add_argument("--out", required=True, help="directory for the description and weights (atomically)")
+    a.add_argument(
+        "--dtype",
+        choices=["bfloat16", "float16"],
+        default=None,
+        help="the dtype MindIE SD runs in; decides deq_scale's form (default: the model's)",
+    )
+    a.add_argument("--force", action="store_true", help="replace an existing --out")
+    a.set_defaults(func=cmd_export_ascend)
     return p
 
 

@@ -37,6 +37,8 @@ class StepConfig:
     version: ClassVar[int] = 1
     order: ClassVar[int] = 50
     transform_module: ClassVar[str] = ""
+    prepares: ClassVar[tuple[str, ...]] = ()
+    """For a step that only prepares another (SmoothQuant): the kinds of which one must follow it."""
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"kind": self.kind, "version": self.version}
@@ -110,6 +112,7 @@ class SmoothQuantConfig(StepConfig):
     kind: ClassVar[str] = "smoothquant"
     order: ClassVar[int] = 10
     transform_module: ClassVar[str] = "sdkiln.optimizer.smoothquant"
+    prepares: ClassVar[tuple[str, ...]] = ("w8a8_static", "w8a8_timestep")
     alphas: tuple[float, ...] = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8)
     exclude: tuple[str, ...] = ()
     calib_samples: int = 8
@@ -238,6 +241,15 @@ class RecipeConfig:
     name: str
     steps: list[StepConfig] = field(default_factory=list)
     version: ClassVar[int] = 1
+
+    def __post_init__(self) -> None:
+        for i, step in enumerate(self.steps):
+            later = {s.kind for s in self.steps[i + 1 :]}
+            if step.prepares and not later & set(step.prepares):
+                raise RecipeError(
+                    f"step {step.kind!r} only prepares {' or '.join(step.prepares)}; the recipe must apply one "
+                    f"of them after it (e.g. 'w8a8-static+smoothquant')"
+                )
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "version": self.version, "steps": [s.to_dict() for s in self.steps]}

@@ -15,3 +15,8 @@ class RecipeError(SdkilnError):
 
 class ModelError(SdkilnError):
     """A model name or path does not resolve, or a base model does not match a package."""
+
+
+class StepError(SdkilnError):
+    """A step-dependent model ran with a step count or step index it was not calibrated for, or
+    outside a pipeline whose scheduler says which denoising step it is."""

@@ -3,17 +3,22 @@
 
 from sdkiln.kernels.ops import (
     attention,
+    fp8_linear,
+    fp8_quantize_per_token,
     gelu_tanh,
     implementation,
     layer_norm_modulate,
     mul_add,
     op_names,
+    quantize_per_tensor_int8,
     quantize_per_token_int8,
     register_kernel,
     remove_kernel,
     rms_norm,
     rope,
     w8a8_linear,
+    w8a8_static_linear,
+    weight_only_linear,
 )
 from sdkiln.kernels.platform import Platform, current_platform, resolve_device
 
@@ -21,11 +26,14 @@ __all__ = [
     "Platform",
     "attention",
     "current_platform",
+    "fp8_linear",
+    "fp8_quantize_per_token",
     "gelu_tanh",
     "implementation",
     "layer_norm_modulate",
     "mul_add",
     "op_names",
+    "quantize_per_tensor_int8",
     "quantize_per_token_int8",
     "register_kernel",
     "remove_kernel",
@@ -33,4 +41,6 @@ __all__ = [
     "rms_norm",
     "rope",
     "w8a8_linear",
+    "w8a8_static_linear",
+    "weight_only_linear",
 ]

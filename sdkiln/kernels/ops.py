@@ -58,6 +58,19 @@ _SCHEMAS = {
         "ScalarType out_dtype) -> Tensor"
     ),
     "attention": "attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float? scale) -> (Tensor, Tensor)",
+    "quantize_per_tensor_int8": "quantize_per_tensor_int8(Tensor x, Tensor scale, Tensor offset) -> Tensor",
+    "w8a8_static_linear": (
+        "w8a8_static_linear(Tensor x_q, Tensor weight, Tensor deq_scale, Tensor quant_bias, "
+        "ScalarType out_dtype) -> Tensor"
+    ),
+    "fp8_quantize_per_token": "fp8_quantize_per_token(Tensor x) -> (Tensor, Tensor)",
+    "fp8_linear": (
+        "fp8_linear(Tensor x_q, Tensor x_scale, Tensor weight, Tensor weight_scale, Tensor? bias, "
+        "ScalarType out_dtype) -> Tensor"
+    ),
+    "weight_only_linear": (
+        "weight_only_linear(Tensor x, Tensor weight, Tensor weight_scale, Tensor? bias, int group_size) -> Tensor"
+    ),
 }
 _DIFFERENTIABLE = {"rms_norm", "layer_norm_modulate", "rope", "gelu_tanh", "mul_add", "attention"}
 
@@ -92,6 +105,31 @@ def _fake_w8a8_linear(x_q, x_scale, weight, weight_scale, bias, out_dtype) -> Te
     return x_q.new_empty((*x_q.shape[:-1], weight.shape[0]), dtype=out_dtype)
 
 
+def _fake_fp8_quantize(x: Tensor) -> tuple[Tensor, Tensor]:
+    scale = x.new_empty((*x.shape[:-1], 1), dtype=torch.float32)
+    return x.new_empty(x.shape, dtype=torch.float8_e4m3fn), scale
+
+
+def _fake_fp8_linear(x_q, x_scale, weight, weight_scale, bias, out_dtype) -> Tensor:
+    reference.check_fp8_linear(x_q, x_scale, weight, weight_scale)
+    return x_q.new_empty((*x_q.shape[:-1], weight.shape[0]), dtype=out_dtype)
+
+
+def _fake_weight_only_linear(x, weight, weight_scale, bias, group_size) -> Tensor:
+    reference.check_weight_only_linear(x, weight, weight_scale, group_size)
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+def _fake_quantize_per_tensor(x: Tensor, scale: Tensor, offset: Tensor) -> Tensor:
+    reference.check_quantize_per_tensor_int8(x, scale, offset)
+    return x.new_empty(x.shape, dtype=torch.int8)
+
+
+def _fake_w8a8_static_linear(x_q, weight, deq_scale, quant_bias, out_dtype) -> Tensor:
+    reference.check_w8a8_static_linear(x_q, weight, deq_scale, quant_bias)
+    return x_q.new_empty((*x_q.shape[:-1], weight.shape[0]), dtype=out_dtype)
+
+
 def _fake_attention(q, k, v, mask, scale) -> tuple[Tensor, Tensor]:
     reference.check_attention(q, k, v)
     return q.new_empty((*q.shape[:-1], v.shape[-1])), q.new_empty(q.shape[:-1], dtype=torch.float32)
@@ -106,6 +144,11 @@ _FAKES = {
     "quantize_per_token_int8": _fake_quantize,
     "w8a8_linear": _fake_w8a8_linear,
     "attention": _fake_attention,
+    "quantize_per_tensor_int8": _fake_quantize_per_tensor,
+    "w8a8_static_linear": _fake_w8a8_static_linear,
+    "fp8_quantize_per_token": _fake_fp8_quantize,
+    "fp8_linear": _fake_fp8_linear,
+    "weight_only_linear": _fake_weight_only_linear,
 }
 
 
@@ -267,3 +310,45 @@ def attention(
 ) -> tuple[Tensor, Tensor]:
     """Scaled dot-product attention of [B, H, S, D] tensors: (out in q's dtype, fp32 lse [B, H, Sq])."""
     return torch.ops.sdkiln.attention.default(q, k, v, mask, scale)
+
+
+def quantize_per_tensor_int8(x: Tensor, scale: Tensor, offset: Tensor) -> Tensor:
+    """Asymmetric per-tensor int8 with calibrated ``scale`` and integer ``offset`` (fp32, one value
+    each): ``clamp(round(x / scale) + offset, -128, 127)``."""
+    return torch.ops.sdkiln.quantize_per_tensor_int8.default(x, scale, offset)
+
+
+def w8a8_static_linear(
+    x_q: Tensor,
+    weight: Tensor,
+    deq_scale: Tensor,
+    quant_bias: Tensor,
+    out_dtype: torch.dtype = torch.float32,
+) -> Tensor:
+    """int8 x int8 linear with static activation parameters: ``(x_q @ weight.T + quant_bias) * deq_scale``."""
+    return torch.ops.sdkiln.w8a8_static_linear.default(x_q, weight, deq_scale, quant_bias, out_dtype)
+
+
+def fp8_quantize_per_token(x: Tensor) -> tuple[Tensor, Tensor]:
+    """Symmetric per-token float8_e4m3fn quantization: (fp8 values like x, fp32 scales [..., 1])."""
+    return torch.ops.sdkiln.fp8_quantize_per_token.default(x)
+
+
+def fp8_linear(
+    x_q: Tensor,
+    x_scale: Tensor,
+    weight: Tensor,
+    weight_scale: Tensor,
+    bias: Tensor | None = None,
+    out_dtype: torch.dtype = torch.float32,
+) -> Tensor:
+    """float8 x float8 linear, exact product, dequantized per token and per channel: [..., N]."""
+    return torch.ops.sdkiln.fp8_linear.default(x_q, x_scale, weight, weight_scale, bias, out_dtype)
+
+
+def weight_only_linear(
+    x: Tensor, weight: Tensor, weight_scale: Tensor, bias: Tensor | None = None, group_size: int = 0
+) -> Tensor:
+    """Float x [..., K] times int8 [N, K] or packed int4 [N, K/2] weights, per channel (``group_size``
+    0) or per group along K: [..., N] in x's dtype."""
+    return torch.ops.sdkiln.weight_only_linear.default(x, weight, weight_scale, bias, group_size)

@@ -149,6 +149,8 @@ def current_platform() -> Platform:
         return CudaPlatform()
     torch_npu = _import_torch_npu()
     if torch_npu is not None and torch_npu.npu.is_available():
+        # The torch_npu kernels of the sdkiln ops; importable only now that torch_npu imported.
+        importlib.import_module("sdkiln.kernels.npu").register_npu_kernels()
         return NpuPlatform(torch_npu)
     return CpuPlatform()
 

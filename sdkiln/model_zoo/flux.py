@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from sdkiln.model_zoo.spec import BlockList, ModelSpec
+from sdkiln.model_zoo.spec import BlockList, ModelSpec, SmoothFold
 
 if TYPE_CHECKING:
     from diffusers import FluxPipeline
@@ -94,6 +94,25 @@ def tiny() -> FluxPipeline:
     )
 
 
+# SmoothQuant folds (see SmoothFold). AdaLayerNormZero's modulation Linear gives (shift_msa,
+# scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp): the msa pair modulates norm1's output,
+# which only the attention projections read; the mlp pair modulates norm2's output, which only the
+# feed-forward's first Linear reads. AdaLayerNormZeroSingle gives (shift, scale, gate), and its output
+# feeds the attention projections and proj_mlp. attn.to_out.0, attn.to_add_out, ff.net.2,
+# ff_context.net.2 and the single blocks' proj_out read attention outputs or GELU outputs, which no
+# static affine precedes: they keep an input multiplier.
+_QKV = ("attn.to_q", "attn.to_k", "attn.to_v")
+_ADDED_QKV = ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj")
+FLUX_SMOOTH_FOLDS = (
+    SmoothFold("transformer_blocks", "norm1.linear", _QKV, chunks=6, shift=0, scale=1),
+    SmoothFold("transformer_blocks", "norm1.linear", ("ff.net.0.proj",), chunks=6, shift=3, scale=4),
+    SmoothFold("transformer_blocks", "norm1_context.linear", _ADDED_QKV, chunks=6, shift=0, scale=1),
+    SmoothFold(
+        "transformer_blocks", "norm1_context.linear", ("ff_context.net.0.proj",), chunks=6, shift=3, scale=4
+    ),
+    SmoothFold("single_transformer_blocks", "norm.linear", (*_QKV, "proj_mlp"), chunks=3, shift=0, scale=1),
+)
+
 SPEC = ModelSpec(
     name="flux-tiny",
     description="FLUX.1 architecture (double + single stream MMDiT) at test size with random weights",
@@ -130,4 +149,5 @@ SPEC = ModelSpec(
     },
     eval_prompts=("a photo of a cat", "a red car on a mountain road", "a bowl of fruit, oil painting"),
     calibration_prompts=("a photo of a dog", "a city skyline at night", "a watercolor of a lighthouse"),
+    smooth_folds=FLUX_SMOOTH_FOLDS,
 )

@@ -29,6 +29,27 @@ class BlockList:
 
 
 @dataclass(frozen=True)
+class SmoothFold:
+    """Where SmoothQuant can fold its per-channel factor s exactly: an adaLN modulation.
+
+    In every block of the block list ``block_list``, the Linears ``consumers`` (names relative to the
+    block) all read ``LN(x) * (1 + scale) + shift`` -- a LayerNorm without affine -- and nothing else
+    does; ``shift`` and ``scale`` are chunks ``shift`` and ``scale`` of the ``chunks``-way split of the
+    float Linear ``source``'s output, and nothing else reads those two chunks. Dividing that input by
+    s is then exact by rewriting ``source``'s rows: shift rows ``W/s, b/s``; scale rows
+    ``W/s, (b + 1)/s - 1``. (A LayerNorm's own affine would be the other exact place; FLUX-style
+    blocks have none in front of their Linears.)
+    """
+
+    block_list: str
+    source: str
+    consumers: tuple[str, ...]
+    chunks: int
+    shift: int
+    scale: int
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     name: str
     description: str
@@ -50,6 +71,8 @@ class ModelSpec:
     """Held-out prompts for the quality report."""
     calibration_prompts: tuple[str, ...] = ("a photo of a dog",)
     metrics: Callable[[Any, list[str]], dict[str, float]] | None = None
+    smooth_folds: tuple[SmoothFold, ...] = ()
+    """Where SmoothQuant folds its factor into the model; every other smoothed layer keeps an input multiplier."""
     """Model-specific metrics from generated images [N,H,W,C] in [0,1] and their prompts."""
 
     def is_float_layer(self, name: str) -> bool:

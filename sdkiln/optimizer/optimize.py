@@ -46,6 +46,19 @@ def _class_path(cls: type) -> str:
     return f"{module}:{cls.__name__}"
 
 
+def _merge_files(files: dict[str, Any], new: dict[str, Any], kind: str) -> None:
+    """Add a step's package files. Steps may share a file (``calibration/stats.safetensors``) as
+    long as their entries (tensor names, top-level JSON keys) are distinct."""
+    for rel, content in new.items():
+        if rel not in files:
+            files[rel] = content
+            continue
+        clash = sorted(set(files[rel]) & set(content))
+        if clash:
+            raise ValueError(f"step {kind!r} writes {clash[0]!r} of {rel}, which an earlier step wrote")
+        files[rel] = {**files[rel], **content}
+
+
 def optimize(
     model: Any = None,
     recipe: str | RecipeConfig = "default",
@@ -80,7 +93,7 @@ def optimize(
     for config in recipe.steps:
         result = apply_step(ctx, config)
         modules.update(result.modules)
-        files.update(result.files)
+        _merge_files(files, result.files, config.kind)
         steps.append({"config": config.to_dict(), "result": result.record})
     manifest = {
         "model": {

@@ -6,12 +6,28 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-from sdkiln.configs import RecipeConfig, StepConfig, W8A8DynamicConfig
+from sdkiln.configs import (
+    FP8DynamicConfig,
+    RecipeConfig,
+    SmoothQuantConfig,
+    StepConfig,
+    W4A16Config,
+    W8A8DynamicConfig,
+    W8A8StaticConfig,
+    W8A8TimestepConfig,
+    W8A16Config,
+)
 from sdkiln.errors import RecipeError
 
 NAMED_RECIPES: dict[str, Callable[[], list[StepConfig]]] = {
     "none": lambda: [],
     "w8a8-dynamic": lambda: [W8A8DynamicConfig()],
+    "fp8-dynamic": lambda: [FP8DynamicConfig()],
+    "w8a16": lambda: [W8A16Config()],
+    "w4a16": lambda: [W4A16Config()],
+    "w8a8-static": lambda: [W8A8StaticConfig()],
+    "w8a8-timestep": lambda: [W8A8TimestepConfig()],
+    "smoothquant": lambda: [SmoothQuantConfig()],
 }
 ALIASES = {"default": "w8a8-dynamic"}
 

@@ -20,6 +20,7 @@ from sdkiln.errors import PackageError
 from sdkiln.kernels.platform import resolve_device
 from sdkiln.runtime.package import TRANSFORMER_WEIGHTS, Package, open_package
 from sdkiln.runtime.quant import SCHEME_MODULES, quant_module
+from sdkiln.runtime.quant.smooth import SmoothedLinear
 
 # Pipelines come from diffusers or from sdkiln's own model zoo, nowhere else.
 _PIPELINE_MODULES = ("diffusers", "sdkiln.model_zoo.")
@@ -55,13 +56,23 @@ def _swap_modules(model: nn.Module, modules: dict[str, Any]) -> None:
             raise PackageError(f"manifest.json: layer {name!r} does not exist in the transformer") from None
         if not isinstance(linear, nn.Linear):
             raise PackageError(f"manifest.json: layer {name!r} is a {type(linear).__name__}, not a Linear")
-        setattr(
-            parent,
-            leaf,
-            quant_module(scheme)(
-                linear.in_features, linear.out_features, linear.bias is not None, linear.weight.dtype, "meta", **params
-            ),
-        )
+        smooth = params.pop("smooth", False)
+        if not isinstance(smooth, bool):
+            raise PackageError(f"manifest.json: layer {name!r} has a non-boolean 'smooth' ({smooth!r})")
+        try:
+            module = quant_module(scheme)(
+                linear.in_features,
+                linear.out_features,
+                linear.bias is not None,
+                linear.weight.dtype,
+                "meta",
+                **params,
+            )
+        except (TypeError, ValueError) as exc:
+            raise PackageError(
+                f"manifest.json: layer {name!r} cannot be built as {scheme} with {params}: {exc}"
+            ) from None
+        setattr(parent, leaf, SmoothedLinear(module, linear.in_features, "meta") if smooth else module)
 
 
 def load_transformer(pkg: Package) -> nn.Module:
@@ -99,6 +110,8 @@ def load(path: str | os.PathLike, device: str | torch.device = "auto"):
     """
     from diffusers import DiffusionPipeline
 
+    from sdkiln.runtime.steps import attach_step_tracker, needs_step_tracker
+
     pkg = open_package(path)
     info = pkg.manifest["model"]
     pipeline_cls = resolve_class(info["pipeline_class"], DiffusionPipeline, "pipeline class")
@@ -109,4 +122,6 @@ def load(path: str | os.PathLike, device: str | torch.device = "auto"):
     )
     pipe.set_progress_bar_config(disable=True)
     pipe.sdkiln_manifest = pkg.manifest
+    if needs_step_tracker(transformer):
+        attach_step_tracker(pipe, info["transformer_attr"])
     return pipe.to(resolve_device(device))

@@ -11,14 +11,16 @@ from sdkiln.runtime.package import TRANSFORMER_WEIGHTS, Package
 # Tensors a quantized layer stores besides its (unchanged, float) bias.
 QUANT_TENSORS = ("weight", "weight_scale", "weight_offset")
 _ITEMSIZE = {"I8": 1, "U8": 1, "F16": 2, "BF16": 2, "F32": 4, "F64": 8, "I32": 4, "I64": 8, "F8_E4M3": 1}
+# A quantized weight stored as uint8 holds two int4 values a byte (W4A16, ``sdkiln.kernels.int4``).
+_WEIGHT_VALUES_PER_ELEMENT = {"U8": 2}
 
 
 def summarize(pkg: Package) -> dict[str, Any]:
     """Layers quantized and kept in float, and the quantized layers' bytes against fp32.
 
-    ``quantized_bytes`` counts what a quantized layer stores for its weight (int8 values, scales,
-    offsets); ``quantized_float_bytes`` is what the same weights weigh in float32. Biases are float
-    in both and are not counted.
+    ``quantized_bytes`` counts what a quantized layer stores for its weight (int8, float8 or packed
+    int4 values, scales, offsets); ``quantized_float_bytes`` is what the same weights weigh in
+    float32. Biases are float in both and are not counted.
     """
     m = pkg.manifest
     attr = m["model"]["transformer_attr"]
@@ -36,7 +38,7 @@ def summarize(pkg: Package) -> dict[str, Any]:
                 numel = _numel(sl.get_shape())
                 qbytes += numel * _ITEMSIZE[sl.get_dtype()]
                 if suffix == "weight":
-                    fbytes += numel * 4
+                    fbytes += numel * _WEIGHT_VALUES_PER_ELEMENT.get(sl.get_dtype(), 1) * 4
         total = sum(
             _ITEMSIZE[fh.get_slice(k).get_dtype()] * _numel(fh.get_slice(k).get_shape()) for k in keys
         )

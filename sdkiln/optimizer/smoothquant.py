@@ -1,0 +1,235 @@
+"""SmoothQuant before a static int8 step: move activation outliers into the weights.
+
+For a Linear y = x W^T, dividing input channel k by s_k and multiplying weight column k by s_k
+leaves y unchanged and flattens the per-tensor activation range that static int8 must cover
+(Xiao et al. 2023): s_k = max|x_k|^alpha / max_n |W[n, k]|^(1 - alpha).
+
+* Layers that read the same input share s: the consumers of one adaLN modulation (the spec's
+  ``smooth_folds``, e.g. FLUX's to_q/to_k/to_v) get 1/s folded exactly into that float modulation
+  Linear (``SmoothFold`` gives the algebra); nothing remains at run time. Every other layer gets
+  its own s, kept as an input multiplier ``<layer>.div.mul_scale`` = 1/s (``SmoothedLinear``).
+* alpha is searched per group (a fold's consumers, or one layer) over the config's ``alphas`` plus
+  "no smoothing", by the output error of the int8 static layer (``W8A8StaticLinear``, its input
+  range derived exactly from the per-channel min/max as min_k(min_k / s_k), max_k(max_k / s_k))
+  against the float layer, summed as relative squared error over the group's layers and over the
+  calibration data. That needs two runs of the forward loop: one for the per-channel statistics,
+  one streaming the candidates' errors; neither stores activations. With the default loop the
+  second run uses the next ``calib_samples`` samples (other seeds), so the error includes the
+  clipping of inputs that the calibrated range does not cover: scored on the data that set the
+  range, a candidate never clips, which favours large alphas whose tight ranges generalize worse.
+  A user's loop is run twice as given.
+
+The step only prepares the model: the w8a8_static or w8a8_timestep step after it calibrates the
+smoothed inputs and quantizes (the recipe refuses smoothquant without one).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sdkiln.calibrate.loop import PromptLoop
+from sdkiln.calibrate.observers import InputObserver, observing
+from sdkiln.configs import SmoothQuantConfig
+from sdkiln.model_zoo.spec import SmoothFold
+from sdkiln.optimizer.calibrated_layers import calibrate, calibrated_targets, calibration_files
+from sdkiln.optimizer.registry import StepContext, StepResult, register_transform
+from sdkiln.runtime.quant.smooth import SmoothedLinear
+from sdkiln.runtime.quant.w8a8_static import W8A8StaticLinear
+
+_EPS = 1e-5
+NO_SMOOTHING = "none"
+
+
+@dataclass
+class Group:
+    """Linears that read one input and so share one smoothing factor."""
+
+    layers: list[str]
+    source: str | None = None
+    fold: SmoothFold | None = None
+    """Where 1/s is folded; None: a single layer that keeps an input multiplier."""
+    candidates: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Candidate name (``none`` or the alpha) -> s [K]."""
+    errors: dict[str, float] = field(default_factory=dict)
+
+
+def smoothing_groups(ctx: StepContext, layers: list[str]) -> list[Group]:
+    """The spec's folds whose consumers are all being quantized, then one group per other layer."""
+    model, chosen = ctx.transformer, set(layers)
+    groups, folded = [], set()
+    for fold in ctx.spec.smooth_folds:
+        for i in range(len(model.get_submodule(fold.block_list))):
+            prefix = f"{fold.block_list}.{i}."
+            source, consumers = prefix + fold.source, [prefix + c for c in fold.consumers]
+            _check_fold(model, fold, source, consumers)
+            if source in chosen:
+                raise ValueError(f"{source} is a modulation SmoothQuant folds into; it must stay in float")
+            if all(c in chosen for c in consumers):
+                groups.append(Group(consumers, source, fold))
+                folded.update(consumers)
+    return groups + [Group([name]) for name in layers if name not in folded]
+
+
+def _check_fold(model: nn.Module, fold: SmoothFold, source: str, consumers: list[str]) -> None:
+    src = model.get_submodule(source)
+    width = {model.get_submodule(c).in_features for c in consumers}
+    if len(width) != 1 or not isinstance(src, nn.Linear) or src.bias is None:
+        raise ValueError(
+            f"spec fold {fold}: {source} must be a Linear with bias feeding consumers of one width"
+        )
+    if src.out_features != fold.chunks * width.pop():
+        raise ValueError(
+            f"spec fold {fold}: {source} has {src.out_features} outputs, not {fold.chunks} chunks"
+        )
+
+
+def _candidates(
+    group: Group, model: nn.Module, stats: dict[str, InputObserver], alphas: tuple[float, ...]
+) -> None:
+    """s per alpha from the group's input absmax and its weights' column absmax; 1 on dead channels."""
+    act = torch.stack([stats[n].channel_absmax for n in group.layers]).amax(0)
+    weight = torch.stack([model.get_submodule(n).weight.detach().abs().amax(0).float() for n in group.layers])
+    weight = weight.amax(0).to(act.device)
+    dead = (act <= 0) | (weight <= 0)
+    group.candidates[NO_SMOOTHING] = torch.ones_like(act)
+    for alpha in alphas:
+        s = (act.clamp_min(_EPS).pow(alpha) / weight.clamp_min(_EPS).pow(1 - alpha)).clamp_min(_EPS)
+        group.candidates[str(alpha)] = torch.where(dead, torch.ones_like(s), s)
+
+
+class _CandidateErrors:
+    """An input callback that streams, per candidate s, the squared output error of the int8 static
+    layer on the input smoothed by s, against the float layer; its range is the calibrated one."""
+
+    def __init__(self, linear: nn.Linear, stats: InputObserver, candidates: dict[str, torch.Tensor]):
+        self.linear, self.candidates = linear, candidates
+        self.ranges = {
+            c: (float((stats.channel_min / s).min()), float((stats.channel_max / s).max()))
+            for c, s in candidates.items()
+        }
+        self.sse = dict.fromkeys(candidates, 0.0)
+        self.energy = 0.0
+
+    def __call__(self, x: torch.Tensor, step: int, num_steps: int) -> None:
+        # F.linear, not self.linear(x): calling the module would re-enter this hook.
+        reference = F.linear(x, self.linear.weight, self.linear.bias).double()
+        self.energy += float(reference.pow(2).sum())
+        for c, s in self.candidates.items():
+            scaled = _meta_linear(self.linear.weight.detach().float() * s, self.linear.bias)
+            quant = W8A8StaticLinear.from_linear(scaled, *self.ranges[c])
+            smoothed = (x.float() * (1.0 / s)).to(x.dtype)
+            self.sse[c] += float((quant(smoothed).double() - reference).pow(2).sum())
+
+    def relative(self, candidate: str) -> float:
+        return self.sse[candidate] / max(self.energy, 1e-30)
+
+
+def _meta_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
+    """An ``nn.Linear`` around existing tensors (built on meta, so no initialization runs)."""
+    lin = nn.Linear(weight.shape[1], weight.shape[0], bias is not None, device="meta")
+    lin.weight = nn.Parameter(weight, requires_grad=False)
+    if bias is not None:
+        lin.bias = nn.Parameter(bias.detach(), requires_grad=False)
+    return lin
+
+
+def _search(
+    ctx: StepContext, config: SmoothQuantConfig, groups: list[Group], stats: dict[str, InputObserver]
+) -> dict[str, Any]:
+    """Score every group's candidates over one more run of the loop; returns that run's record."""
+    scores = {
+        n: _CandidateErrors(ctx.transformer.get_submodule(n), stats[n], g.candidates)
+        for g in groups
+        for n in g.layers
+    }
+    if ctx.forward_loop is None:
+        loop = PromptLoop(ctx.spec, config.calib_samples, config.calib_steps, first=config.calib_samples)
+        record = loop.record()
+    else:
+        loop, record = ctx.forward_loop, {"loop": "user"}
+    with observing(ctx.pipeline, ctx.spec.transformer_attr, scores):
+        loop(ctx.pipeline)
+    for g in groups:
+        g.errors = {c: sum(scores[n].relative(c) for n in g.layers) for c in g.candidates}
+    return record
+
+
+def _fold(model: nn.Module, group: Group, s: torch.Tensor) -> None:
+    """1/s into the modulation's shift and scale rows, s into the consumers' weight columns."""
+    fold, src = group.fold, model.get_submodule(group.source)
+    k = s.numel()
+    s64 = s.double().to(src.weight.device)
+    w, b = src.weight.detach().double(), src.bias.detach().double()
+    for chunk in (fold.shift, fold.scale):
+        rows = slice(chunk * k, (chunk + 1) * k)
+        w[rows] /= s64[:, None]
+        b[rows] = (b[rows] + 1) / s64 - 1 if chunk == fold.scale else b[rows] / s64
+    with torch.no_grad():
+        src.weight.copy_(w)
+        src.bias.copy_(b)
+        for name in group.layers:
+            consumer = model.get_submodule(name)
+            consumer.weight.copy_(consumer.weight.double() * s64)
+
+
+def apply_smoothing(model: nn.Module, group: Group, s: torch.Tensor) -> None:
+    """Smooth ``group`` by s: folded into its modulation, or an input multiplier on its one layer."""
+    if group.fold is not None:
+        _fold(model, group, s)
+        return
+    (name,) = group.layers
+    parent, _, leaf = name.rpartition(".")
+    setattr(model.get_submodule(parent), leaf, SmoothedLinear.from_linear(model.get_submodule(name), s))
+
+
+@register_transform(SmoothQuantConfig)
+def apply_smoothquant(ctx: StepContext, config: SmoothQuantConfig) -> StepResult:
+    model = ctx.transformer
+    targets, kept = calibrated_targets(ctx, config.exclude)
+    if any(t.smoothed for t in targets):
+        raise ValueError("the model is already smoothed; apply smoothquant once")
+    layers = [t.layer for t in targets]
+    groups = smoothing_groups(ctx, layers)
+    stats, record = calibrate(ctx, layers, config.calib_samples, config.calib_steps)
+    for g in groups:
+        _candidates(g, model, stats, config.alphas)
+    search_record = _search(ctx, config, groups, stats)
+
+    files = calibration_files(SmoothQuantConfig.kind, stats, record)
+    decisions = []
+    for g in groups:
+        best = min(g.candidates, key=lambda c: g.errors[c])
+        if best != NO_SMOOTHING:
+            s = g.candidates[best]
+            apply_smoothing(model, g, s)
+            files["calibration/stats.safetensors"].update(
+                {f"{SmoothQuantConfig.kind}/{n}.smooth_scale": s.detach().cpu().clone() for n in g.layers}
+            )
+        decisions.append(
+            {
+                "layers": g.layers,
+                "alpha": None if best == NO_SMOOTHING else float(best),
+                "fold": g.source if best != NO_SMOOTHING and g.fold is not None else None,
+                "errors": g.errors,
+            }
+        )
+    return StepResult(
+        modules={},
+        record={
+            "groups": decisions,
+            "folded": [n for d in decisions if d["fold"] for n in d["layers"]],
+            "mul_scale": [
+                n for d in decisions if d["alpha"] is not None and not d["fold"] for n in d["layers"]
+            ],
+            "unsmoothed": [n for d in decisions if d["alpha"] is None for n in d["layers"]],
+            "float": kept,
+            "calibration": record,
+            "alpha_search_data": search_record,
+        },
+        files=files,
+    )

@@ -1,0 +1,44 @@
+"""W8A8 static: calibrate each block Linear's input range, then swap in ``W8A8StaticLinear``.
+
+One calibration run observes every chosen layer's input (after SmoothQuant, if it ran: the inputs
+the quantized matmuls will see); each layer's per-tensor [min, max] sets its activation scale and
+offset (``sdkiln.runtime.quant.w8a8_static`` has the formulas). The statistics go into the package
+so the parameters can be re-derived, or derived differently, without running the model again.
+"""
+
+from __future__ import annotations
+
+from sdkiln.configs import W8A8StaticConfig
+from sdkiln.optimizer.calibrated_layers import (
+    calibrate,
+    calibrated_targets,
+    calibration_files,
+    manifest_entry,
+    replace,
+)
+from sdkiln.optimizer.registry import StepContext, StepResult, register_transform
+from sdkiln.runtime.quant.w8a8_static import W8A8StaticLinear
+
+
+@register_transform(W8A8StaticConfig)
+def apply_w8a8_static(ctx: StepContext, config: W8A8StaticConfig) -> StepResult:
+    model = ctx.transformer
+    targets, kept = calibrated_targets(ctx, config.exclude)
+    observers, record = calibrate(ctx, [t.linear for t in targets], config.calib_samples, config.calib_steps)
+    modules = {}
+    for target in targets:
+        obs = observers[target.linear]
+        module = W8A8StaticLinear.from_linear(model.get_submodule(target.linear), obs.min, obs.max)
+        replace(model, target, module)
+        modules[target.layer] = manifest_entry(target, module)
+    by_layer = {t.layer: observers[t.linear] for t in targets}
+    return StepResult(
+        modules=modules,
+        record={
+            "quantized": [t.layer for t in targets],
+            "float": kept,
+            "smoothed": [t.layer for t in targets if t.smoothed],
+            "calibration": record,
+        },
+        files=calibration_files(W8A8StaticConfig.kind, by_layer, record),
+    )

@@ -1,0 +1,146 @@
+"""W8A8_TIMESTEP at run time: static int8 activation parameters per denoising step, dynamic early on.
+
+Activation ranges of a diffusion transformer drift across the denoising steps, so one static range
+per layer either clips late steps or wastes resolution on early ones. This scheme (MindIE's
+timestep policy) keeps one static row per step and quantizes the first ``dynamic_steps`` steps
+per token at run time instead, where the ranges move fastest:
+
+    step t < dynamic_steps:  x_q, s_x = quantize_per_token(x);  y = w8a8_linear(x_q, s_x, weight, weight_scale, bias)
+    step t >= dynamic_steps: y = W8A8 static with row t (see ``w8a8_static``)
+
+Tensors (Ascend names; T = ``num_steps``): ``weight`` int8 [N, K]; ``weight_scale`` fp32 [N, 1] and
+``weight_offset`` fp32 [N, 1] (zeros) for the dynamic steps; ``input_scale`` and ``input_offset``
+fp32 [T, 1], ``deq_scale`` fp32 [T, N] and ``quant_bias`` int32 [T, N] for the static steps (every
+row is calibrated, also those the policy runs dynamically); ``bias`` in the model dtype [N].
+
+The step comes from the pipeline's scheduler through ``sdkiln.runtime.steps`` (``sdkiln.load``
+attaches it). A run whose step count differs from ``num_steps`` is refused: row t of a 4-step
+calibration does not describe step t of an 8-step run.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from sdkiln import kernels
+from sdkiln.errors import StepError
+from sdkiln.runtime.quant import register_quant_module
+from sdkiln.runtime.quant.w8a8_dynamic import W8A8Linear
+from sdkiln.runtime.quant.w8a8_static import activation_params, static_params
+
+
+def runs_dynamic(step: int, dynamic_steps: int) -> bool:
+    """The policy: quantize activations per token at run time for the first ``dynamic_steps`` steps."""
+    return step < dynamic_steps
+
+
+@register_quant_module
+class W8A8TimestepLinear(nn.Module):
+    """int8 weight; per-step static activation parameters, per-token dynamic ones for early steps."""
+
+    scheme = "W8A8_TIMESTEP"
+    needs_step = True
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        dtype=torch.float32,
+        device=None,
+        *,
+        num_steps: int,
+        dynamic_steps: int,
+    ):
+        super().__init__()
+        if num_steps < 1 or not 0 <= dynamic_steps <= num_steps:
+            raise ValueError(
+                f"need num_steps >= 1 and 0 <= dynamic_steps <= num_steps, got {num_steps}, {dynamic_steps}"
+            )
+        self.in_features, self.out_features = in_features, out_features
+        self.num_steps, self.dynamic_steps = num_steps, dynamic_steps
+        self.step_tracker = None
+        f32 = dict(dtype=torch.float32, device=device)
+        self.register_buffer(
+            "weight", torch.empty(out_features, in_features, dtype=torch.int8, device=device)
+        )
+        self.register_buffer("weight_scale", torch.empty(out_features, 1, **f32))
+        self.register_buffer("weight_offset", torch.empty(out_features, 1, **f32))
+        self.register_buffer("input_scale", torch.empty(num_steps, 1, **f32))
+        self.register_buffer("input_offset", torch.empty(num_steps, 1, **f32))
+        self.register_buffer("deq_scale", torch.empty(num_steps, out_features, **f32))
+        self.register_buffer(
+            "quant_bias", torch.empty(num_steps, out_features, dtype=torch.int32, device=device)
+        )
+        if bias:
+            self.register_buffer("bias", torch.empty(out_features, dtype=dtype, device=device))
+        else:
+            self.bias = None
+
+    @classmethod
+    def from_linear(
+        cls, linear: nn.Linear, step_min: torch.Tensor, step_max: torch.Tensor, dynamic_steps: int
+    ) -> W8A8TimestepLinear:
+        """Quantize ``linear`` for inputs calibrated to [step_min[t], step_max[t]] at step t ([T] each)."""
+        dyn = W8A8Linear.from_linear(linear)
+        t = step_min.numel()
+        scale, offset = activation_params(step_min.reshape(t, 1), step_max.reshape(t, 1))
+        bias = None if linear.bias is None else linear.bias.detach()
+        deq, qb = static_params(dyn.weight, dyn.weight_scale, bias, scale, offset)
+        mod = cls(
+            linear.in_features,
+            linear.out_features,
+            bias is not None,
+            linear.weight.dtype,
+            dyn.weight.device,
+            num_steps=t,
+            dynamic_steps=dynamic_steps,
+        )
+        for name, value in [
+            ("weight", dyn.weight),
+            ("weight_scale", dyn.weight_scale),
+            ("weight_offset", dyn.weight_offset),
+            ("input_scale", scale),
+            ("input_offset", offset),
+            ("deq_scale", deq),
+            ("quant_bias", qb),
+        ]:
+            getattr(mod, name).copy_(value)
+        if bias is not None:
+            mod.bias.copy_(bias)
+        return mod
+
+    def params(self) -> dict:
+        return {"num_steps": self.num_steps, "dynamic_steps": self.dynamic_steps}
+
+    def current_step(self) -> int:
+        tracker = self.step_tracker
+        if tracker is None:
+            raise StepError(
+                "a W8A8_TIMESTEP layer needs the denoising step: load the package with sdkiln.load, or call "
+                "sdkiln.runtime.steps.attach_step_tracker(pipeline) after building the pipeline yourself"
+            )
+        if tracker.num_steps != self.num_steps:
+            raise StepError(
+                f"this model's W8A8_TIMESTEP layers were calibrated for {self.num_steps} denoising steps but the "
+                f"pipeline runs {tracker.num_steps}: run it with num_inference_steps={self.num_steps}, or "
+                f"optimize again with calib_steps={tracker.num_steps}"
+            )
+        if not 0 <= tracker.step < self.num_steps:
+            raise StepError(f"denoising step {tracker.step} is outside the {self.num_steps} calibrated steps")
+        return tracker.step
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = self.current_step()
+        if runs_dynamic(t, self.dynamic_steps):
+            x_q, x_scale = kernels.quantize_per_token_int8(x)
+            return kernels.w8a8_linear(x_q, x_scale, self.weight, self.weight_scale, self.bias, x.dtype)
+        x_q = kernels.quantize_per_tensor_int8(x, self.input_scale[t], self.input_offset[t])
+        return kernels.w8a8_static_linear(x_q, self.weight, self.deq_scale[t], self.quant_bias[t], x.dtype)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.scheme}, "
+            f"num_steps={self.num_steps}, dynamic_steps={self.dynamic_steps}"
+        )

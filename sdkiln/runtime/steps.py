@@ -1,0 +1,108 @@
+"""The denoising step index, published to the modules that depend on it.
+
+Per-step schemes (W8A8_TIMESTEP), per-step calibration and step-dependent caches need to know
+which denoising step the transformer is computing. Counting transformer calls gets this wrong: with
+classifier-free guidance a pipeline may call the transformer twice per step (FLUX's true CFG, Wan) or
+once with a doubled batch (SD3), and an img2img run starts part-way through the schedule. So the
+index is read from the pipeline's scheduler, the one object that knows it: ``scheduler.step_index``,
+which diffusers schedulers advance in ``scheduler.step()`` after the transformer ran. Before the
+first ``step()`` of a run it is None, and the step is ``scheduler.begin_index`` if the pipeline set
+one (img2img) and 0 otherwise. The run's step count is ``len(scheduler.timesteps)``.
+
+``StepTracker`` is a named diffusers hook (``sdkiln_step_tracker``) on the transformer: before each
+transformer forward it reads the scheduler of the pipeline it was attached to (``pipeline.scheduler``
+at that moment, so a swapped scheduler is followed) and publishes ``step`` and ``num_steps``. Modules
+that need the step declare ``needs_step = True`` and get the tracker as ``module.step_tracker``.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+from diffusers.hooks import HookRegistry, ModelHook
+from torch import nn
+
+from sdkiln.errors import StepError
+
+HOOK_NAME = "sdkiln_step_tracker"
+
+
+class StepTracker(ModelHook):
+    """Publishes the pipeline's current denoising step (``step``) and step count (``num_steps``)."""
+
+    def __init__(self, pipeline: Any):
+        super().__init__()
+        self._pipeline = weakref.ref(pipeline)
+        self.step: int | None = None
+        self.num_steps: int | None = None
+
+    def pre_forward(self, module: nn.Module, *args, **kwargs):
+        self.update()
+        return args, kwargs
+
+    def update(self) -> None:
+        pipeline = self._pipeline()
+        if pipeline is None:
+            raise StepError(
+                "the pipeline this transformer's step tracker follows no longer exists; call "
+                "sdkiln.runtime.steps.attach_step_tracker(pipe) on the pipeline that now holds the transformer"
+            )
+        scheduler = pipeline.scheduler
+        if not hasattr(scheduler, "step_index"):
+            raise StepError(
+                f"{type(scheduler).__name__} does not expose step_index; per-step schemes need a scheduler "
+                "that does (every flow-matching and multistep scheduler in diffusers)"
+            )
+        timesteps = getattr(scheduler, "timesteps", None)
+        if timesteps is None:
+            raise StepError(
+                "the transformer ran before scheduler.set_timesteps(); run it through its pipeline"
+            )
+        index = scheduler.step_index
+        if index is None:
+            index = getattr(scheduler, "begin_index", None) or 0
+        self.step, self.num_steps = int(index), len(timesteps)
+
+
+def step_tracker(transformer: nn.Module) -> StepTracker | None:
+    """The tracker attached to ``transformer``, if any."""
+    registry = getattr(transformer, "_diffusers_hook", None)
+    return None if registry is None else registry.get_hook(HOOK_NAME)
+
+
+def attach_step_tracker(pipeline: Any, transformer_attr: str = "transformer") -> StepTracker:
+    """Attach a tracker to the pipeline's transformer (or reuse the one there) and give it to every
+    module with ``needs_step``. Call it again after swapping in such modules, and after moving the
+    transformer into a new pipeline once the old one is gone."""
+    transformer = getattr(pipeline, transformer_attr)
+    tracker = step_tracker(transformer)
+    if tracker is None:
+        tracker = StepTracker(pipeline)
+        HookRegistry.check_if_exists_or_initialize(transformer).register_hook(tracker, HOOK_NAME)
+    elif tracker._pipeline() is None:
+        tracker._pipeline = weakref.ref(pipeline)
+    elif tracker._pipeline() is not pipeline:
+        raise StepError(
+            "this transformer's step tracker follows another pipeline that still exists; "
+            "detach_step_tracker(transformer) first"
+        )
+    for module in transformer.modules():
+        if getattr(module, "needs_step", False):
+            module.step_tracker = tracker
+    return tracker
+
+
+def detach_step_tracker(transformer: nn.Module) -> None:
+    """Remove the tracker from ``transformer`` and unbind it from its modules."""
+    tracker = step_tracker(transformer)
+    if tracker is None:
+        return
+    transformer._diffusers_hook.remove_hook(HOOK_NAME, recurse=False)
+    for module in transformer.modules():
+        if getattr(module, "step_tracker", None) is tracker:
+            module.step_tracker = None
+
+
+def needs_step_tracker(transformer: nn.Module) -> bool:
+    return any(getattr(m, "needs_step", False) for m in transformer.modules())

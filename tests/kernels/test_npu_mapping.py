@@ -1,0 +1,244 @@
+"""The Ascend kernels against a recorded fake torch_npu: which torch_npu op each sdkiln op calls,
+with which arguments, layouts and dtypes, and that the result matches the reference.
+
+The fake implements each torch_npu op from its API reference (shapes and dtypes checked, the math
+written from the documented formula), so a wrong transpose, scale shape or dtype fails here. It
+cannot show that the real kernels behave as documented: that needs an Ascend machine
+(``docs/ascend.md``).
+"""
+
+import importlib
+import importlib.machinery
+import sys
+import types
+
+import pytest
+import torch
+
+from sdkiln.kernels import int4, ops, reference
+
+# Kernel (through the fake) against the reference, signal-to-noise of the difference (STYLE habit 12).
+KERNEL_VS_REFERENCE_MIN_SQNR_DB = 35.0
+HALF = [torch.float16, torch.bfloat16]
+
+
+def sqnr_db(signal, approx):
+    signal, approx = signal.double(), approx.double()
+    return (10 * torch.log10(signal.pow(2).mean() / (signal - approx).pow(2).mean())).item()
+
+
+class FakeTorchNpu(types.ModuleType):
+    """Records every call as (op, args, kwargs) and computes what the documentation says."""
+
+    def __init__(self):
+        super().__init__("torch_npu")
+        self.__spec__ = importlib.machinery.ModuleSpec("torch_npu", None)
+        self.calls = []
+
+    def _record(self, op, *args, **kwargs):
+        self.calls.append((op, args, kwargs))
+
+    def npu_dynamic_quant(self, x, *, smooth_scales=None):
+        self._record("npu_dynamic_quant", x, smooth_scales=smooth_scales)
+        assert x.dtype in HALF and x.dim() > 1 and smooth_scales is None
+        scale = x.float().abs().amax(dim=-1) / 127  # aclnnDynamicQuant: row_max(|x|) / 127
+        return torch.round(x.float() / scale.unsqueeze(-1)).to(torch.int8), scale
+
+    def npu_quant_matmul(
+        self, x1, x2, scale, *, offset=None, pertoken_scale=None, bias=None, output_dtype=None
+    ):
+        self._record("npu_quant_matmul", x1, x2, scale, offset=offset, pertoken_scale=pertoken_scale, bias=bias,
+                     output_dtype=output_dtype)  # fmt: skip
+        m, k = x1.shape
+        assert x1.dtype == x2.dtype == torch.int8 and x2.shape[0] == k and x2.dim() == 2
+        n = x2.shape[1]
+        assert scale.dtype in (torch.float32, torch.bfloat16) and tuple(scale.shape) in ((1,), (n,))
+        assert pertoken_scale is None or (
+            pertoken_scale.dtype == torch.float32 and tuple(pertoken_scale.shape) == (m,)
+        )
+        assert output_dtype in HALF and offset is None
+        assert bias is None or (tuple(bias.shape) == (n,) and bias.dtype in (torch.int32, torch.float32))
+        acc = x1.double() @ x2.double()  # exact for int8 inputs
+        if bias is not None and bias.dtype == torch.int32:
+            acc = acc + bias.double()
+        y = acc * scale.double()
+        if pertoken_scale is not None:
+            y = y * pertoken_scale.double().unsqueeze(-1)
+        if bias is not None and bias.dtype != torch.int32:
+            y = y + bias.double()
+        return y.to(output_dtype)
+
+    def npu_quantize(self, input, scales, zero_points, dtype, axis=1, div_mode=True):
+        self._record("npu_quantize", input, scales, zero_points, dtype, axis, div_mode)
+        assert dtype == torch.qint8 and axis == -1 and div_mode
+        assert scales.dtype in (torch.float32, torch.bfloat16) and zero_points.dtype == torch.int8
+        # div_mode: round(input / scales + zero_points), saturated to int8
+        q = torch.round(input.float() / scales.float() + zero_points.float())
+        return q.clamp(-128, 127).to(torch.int8)
+
+    def npu_convert_weight_to_int4pack(self, weight, inner_k_tiles=0):
+        self._record("npu_convert_weight_to_int4pack", weight, inner_k_tiles=inner_k_tiles)
+        assert weight.dtype == torch.int32 and weight.is_contiguous() and weight.shape[-1] % 8 == 0
+        assert int(weight.min()) >= -8 and int(weight.max()) <= 7
+        nib = (weight & 0xF).reshape(*weight.shape[:-1], -1, 8)
+        return sum(nib[..., i] << (4 * i) for i in range(8)).to(torch.int32)  # the fake's own word layout
+
+    @staticmethod
+    def _unpack_words(packed_kn):
+        """The fake's int4 words, [K/8, N] (a transposed [N, K/8]), back to values [K, N]."""
+        words = packed_kn.t()
+        nib = torch.stack([(words >> (4 * i)) & 0xF for i in range(8)], dim=-1).flatten(-2)
+        return torch.where(nib >= 8, nib - 16, nib).t()
+
+    def npu_weight_quant_batchmatmul(self, x, weight, antiquant_scale, antiquant_offset=None, quant_scale=None,
+                                     quant_offset=None, bias=None, antiquant_group_size=0, inner_precise=0):  # fmt: skip
+        self._record("npu_weight_quant_batchmatmul", x, weight, antiquant_scale, bias=bias,
+                     antiquant_group_size=antiquant_group_size)  # fmt: skip
+        assert x.dtype in HALF and x.dim() == 2 and antiquant_scale.dtype == x.dtype
+        values = self._unpack_words(weight) if weight.dtype == torch.int32 else weight
+        k, n = values.shape
+        assert k == x.shape[1]
+        groups = k // antiquant_group_size if antiquant_group_size else 1
+        assert tuple(antiquant_scale.shape) == (groups, n)
+        assert bias is None or bias.dtype == (torch.float32 if x.dtype == torch.bfloat16 else torch.float16)
+        w = values.double() * antiquant_scale.double().repeat_interleave(k // groups, dim=0)
+        y = x.double() @ w
+        return (y if bias is None else y + bias.double()).to(x.dtype)
+
+
+@pytest.fixture
+def npu(monkeypatch):
+    """The fake in sys.modules and the kernel module imported against it; no kernel stays registered."""
+    fake = FakeTorchNpu()
+    monkeypatch.setitem(sys.modules, "torch_npu", fake)
+    for name in ("sdkiln.kernels.npu.quant", "sdkiln.kernels.npu"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    package = importlib.import_module("sdkiln.kernels.npu")
+    yield fake, importlib.import_module("sdkiln.kernels.npu.quant"), package
+    package.remove_npu_kernels()
+
+
+def test_kernels_register_for_npu_only_and_come_out_again(npu):
+    _, quant, package = npu
+    assert package.register_npu_kernels() == sorted(quant.NPU_KERNELS)
+    assert package.register_npu_kernels() == sorted(quant.NPU_KERNELS)  # a second detection is harmless
+    for op in quant.NPU_KERNELS:
+        assert ops.implementation(op, "npu") == "torch_npu" and ops.implementation(op, "cpu") == "reference"
+    package.remove_npu_kernels()
+    assert all(ops.implementation(op, "npu") == "reference" for op in quant.NPU_KERNELS)
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_dynamic_quantization_is_npu_dynamic_quant(npu, dtype):
+    fake, quant, _ = npu
+    x = torch.randn(2, 5, 64).to(dtype)
+    q, scale = quant.quantize_per_token_int8(x)
+    ((op, args, kwargs),) = fake.calls
+    assert op == "npu_dynamic_quant" and args[0].shape == (10, 64)
+    ref_q, ref_scale = reference.quantize_per_token_int8(x)
+    assert q.shape == x.shape and scale.shape == (2, 5, 1)
+    assert torch.equal(q, ref_q) and torch.equal(scale, ref_scale)
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no_bias"])
+def test_w8a8_linear_is_npu_quant_matmul_with_pertoken_scale(npu, dtype, with_bias):
+    fake, quant, _ = npu
+    x_q, x_scale = reference.quantize_per_token_int8(torch.randn(3, 4, 96))
+    w = torch.randint(-127, 128, (48, 96), dtype=torch.int8)
+    w_scale = torch.rand(48, 1) / 100 + 1e-3
+    bias = torch.randn(48).to(dtype) if with_bias else None
+    y = quant.w8a8_linear(x_q, x_scale, w, w_scale, bias, dtype)
+    ((op, args, kwargs),) = fake.calls
+    x1, x2, scale = args
+    assert op == "npu_quant_matmul"
+    assert x1.shape == (12, 96) and x2.shape == (96, 48)
+    assert x2.data_ptr() == w.data_ptr() and x2.stride() == (1, 96), (
+        "the weight goes in as a view, not a copy"
+    )
+    assert scale.shape == (48,) and kwargs["pertoken_scale"].shape == (12,)
+    assert kwargs["output_dtype"] == dtype and kwargs["offset"] is None
+    assert (kwargs["bias"] is None) == (bias is None)
+    expected = reference.w8a8_linear(x_q, x_scale, w, w_scale, bias, dtype)
+    assert y.shape == expected.shape == (3, 4, 48) and y.dtype == dtype
+    assert sqnr_db(expected, y) > KERNEL_VS_REFERENCE_MIN_SQNR_DB
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, *HALF])
+def test_static_quantization_is_npu_quantize_with_int8_offset(npu, dtype):
+    fake, quant, _ = npu
+    x = (torch.randn(2, 7, 64) * 3).to(dtype)
+    scale, offset = torch.tensor([0.05]), torch.tensor([-17.0])
+    q = quant.quantize_per_tensor_int8(x, scale, offset)
+    ((op, args, _),) = fake.calls
+    assert op == "npu_quantize" and args[0] is x and args[3:] == (torch.qint8, -1, True)
+    assert args[1].shape == args[2].shape == (1,) and args[2].dtype == torch.int8
+    # npu_quantize documents round(x / s + o), the reference round(x / s) + o: with an odd offset
+    # they differ, by one, exactly where x / s is a tie (k + 0.5), which rounds half to even.
+    diff = q.int() - reference.quantize_per_tensor_int8(x, scale, offset).int()
+    ties = (x.float() / scale).remainder(1) == 0.5
+    assert diff.abs().max() <= 1 and not bool(diff[~ties].any())
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_w8a8_static_linear_is_npu_quant_matmul_with_int32_bias(npu, dtype):
+    fake, quant, _ = npu
+    x_q = torch.randint(-128, 128, (3, 5, 64), dtype=torch.int8)
+    w = torch.randint(-127, 128, (32, 64), dtype=torch.int8)
+    deq = torch.rand(32) / 1000 + 1e-4
+    quant_bias = torch.randint(-5000, 5000, (32,), dtype=torch.int32)
+    y = quant.w8a8_static_linear(x_q, w, deq, quant_bias, dtype)
+    ((op, args, kwargs),) = fake.calls
+    assert op == "npu_quant_matmul" and args[0].shape == (15, 64)
+    assert args[1].data_ptr() == w.data_ptr() and args[1].shape == (64, 32)
+    assert args[2] is deq and kwargs["bias"] is quant_bias and kwargs["pertoken_scale"] is None
+    assert kwargs["output_dtype"] == dtype
+    expected = reference.w8a8_static_linear(x_q, w, deq, quant_bias, dtype)
+    assert y.shape == expected.shape == (3, 5, 32) and y.dtype == dtype
+    assert sqnr_db(expected, y) > KERNEL_VS_REFERENCE_MIN_SQNR_DB
+
+
+@pytest.mark.parametrize("group_size", [0, 32], ids=["w8a16", "w4a16_g32"])
+@pytest.mark.parametrize("dtype", HALF)
+def test_weight_only_linear_is_npu_weight_quant_batchmatmul(npu, dtype, group_size):
+    fake, quant, _ = npu
+    n, k = 40, 64
+    x = torch.randn(2, 3, k).to(dtype)
+    bias = torch.randn(n).to(dtype)
+    if group_size:
+        weight = int4.pack_int4(torch.randint(-8, 8, (n, k), dtype=torch.int8))
+        scale = torch.rand(n, k // group_size) / 10 + 1e-2
+    else:
+        weight = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+        scale = torch.rand(n, 1) / 100 + 1e-3
+    y = quant.weight_only_linear(x, weight, scale, bias, group_size)
+    names = [c[0] for c in fake.calls]
+    call = fake.calls[-1]
+    if group_size:
+        assert names == ["npu_convert_weight_to_int4pack", "npu_weight_quant_batchmatmul"]
+        assert fake.calls[0][1][0].shape == (n, k)  # int4 values one per int32, [N, K], packed by torch_npu
+        assert call[1][1].shape == (k // 8, n)
+    else:
+        assert names == ["npu_weight_quant_batchmatmul"]
+        assert call[1][1].data_ptr() == weight.data_ptr() and call[1][1].shape == (k, n)
+    assert call[1][2].shape == ((k // group_size if group_size else 1), n)
+    assert call[2]["antiquant_group_size"] == group_size
+    expected = reference.weight_only_linear(x, weight, scale, bias, group_size)
+    assert y.shape == expected.shape and y.dtype == dtype
+    assert sqnr_db(expected, y) > KERNEL_VS_REFERENCE_MIN_SQNR_DB
+
+
+def test_float32_is_refused_not_rerouted(npu):
+    _, quant, _ = npu
+    x_q, x_scale = reference.quantize_per_token_int8(torch.randn(4, 32))
+    w, w_scale = torch.ones(8, 32, dtype=torch.int8), torch.ones(8, 1)
+    with pytest.raises(
+        ValueError, match="w8a8_linear on Ascend: .*float16 or bfloat16 outputs, got torch.float32"
+    ):
+        quant.w8a8_linear(x_q, x_scale, w, w_scale, None, torch.float32)
+    with pytest.raises(ValueError, match="quantize_per_token_int8 on Ascend"):
+        quant.quantize_per_token_int8(torch.randn(4, 32))
+    with pytest.raises(ValueError, match="w8a8_static_linear on Ascend"):
+        quant.w8a8_static_linear(x_q, w, torch.ones(8), torch.zeros(8, dtype=torch.int32), torch.float32)
+    with pytest.raises(ValueError, match="weight_only_linear on Ascend"):
+        quant.weight_only_linear(torch.randn(4, 32), w, w_scale, None, 0)

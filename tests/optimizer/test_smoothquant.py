@@ -1,0 +1,137 @@
+"""SmoothQuant on flux-tiny: exact in float where it folds and where it keeps a multiplier, which layers
+do which, the alpha search, and the recipe rules around it."""
+
+import copy
+
+import pytest
+import torch
+
+from sdkiln.configs import RecipeConfig, SmoothQuantConfig, W8A8StaticConfig
+from sdkiln.errors import RecipeError
+from sdkiln.model_zoo import get_spec
+from sdkiln.optimizer.calibrated_layers import STATS_FILE, calibrated_targets
+from sdkiln.optimizer.recipes import resolve_recipe
+from sdkiln.optimizer.registry import StepContext, apply_step
+from sdkiln.optimizer.smoothquant import apply_smoothing, smoothing_groups
+from sdkiln.runtime.quant.smooth import SmoothedLinear
+
+# Smoothing is an identity in exact arithmetic; in fp32 the transformer's output may move by rounding only.
+FLOAT_TOL = dict(atol=1e-5, rtol=1e-5)
+
+# (block list, modulation, the Linears that read its output), in every block of the list.
+FOLDED = [
+    ("transformer_blocks", "norm1.linear", ("attn.to_q", "attn.to_k", "attn.to_v")),
+    ("transformer_blocks", "norm1.linear", ("ff.net.0.proj",)),
+    ("transformer_blocks", "norm1_context.linear", ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj")),
+    ("transformer_blocks", "norm1_context.linear", ("ff_context.net.0.proj",)),
+    ("single_transformer_blocks", "norm.linear", ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp")),
+]
+MUL_SCALE = [f"transformer_blocks.{i}.{n}" for i in (0, 1) for n in ("attn.to_out.0", "attn.to_add_out")]
+MUL_SCALE += [f"transformer_blocks.{i}.{n}" for i in (0, 1) for n in ("ff.net.2", "ff_context.net.2")]
+MUL_SCALE += [f"single_transformer_blocks.{i}.proj_out" for i in (0, 1)]
+
+
+@pytest.fixture(scope="module")
+def spec():
+    return get_spec("flux-tiny")
+
+
+def pipeline_and_input(spec):
+    """A fresh flux-tiny pipeline and the transformer's keyword inputs at its first call."""
+    pipe = spec.build()
+    captured = {}
+
+    def grab(module, args, kwargs):
+        captured.setdefault("kwargs", {k: v.clone() if torch.is_tensor(v) else v for k, v in kwargs.items()})
+
+    handle = pipe.transformer.register_forward_pre_hook(grab, with_kwargs=True)
+    with torch.inference_mode():
+        pipe(prompt="a city at night", **{**spec.call_kwargs(), "output_type": "latent"})
+    handle.remove()
+    return pipe, captured["kwargs"]
+
+
+def output(transformer, kwargs):
+    with torch.inference_mode():
+        return transformer(**kwargs)[0]
+
+
+def test_flux_folds_into_the_modulations_and_keeps_multipliers_elsewhere(spec):
+    pipe, kwargs = pipeline_and_input(spec)
+    original = copy.deepcopy(pipe.transformer)
+    ctx = StepContext(pipeline=pipe, spec=spec, forward_loop=None)
+    targets, _ = calibrated_targets(ctx, ())
+    groups = smoothing_groups(ctx, [t.layer for t in targets])
+    expected = {
+        (f"{bl}.{i}.{source}", tuple(f"{bl}.{i}.{c}" for c in consumers))
+        for bl, source, consumers in FOLDED
+        for i in (0, 1)
+    }
+    assert {(g.source, tuple(g.layers)) for g in groups if g.fold} == expected
+    assert sorted(g.layers[0] for g in groups if not g.fold) == sorted(MUL_SCALE)
+
+    gen = torch.Generator().manual_seed(0)
+    for g in groups:  # factors far from 1 (about 0.05 to 20) so a wrong fold could not hide
+        k = pipe.transformer.get_submodule(g.layers[0]).in_features
+        apply_smoothing(pipe.transformer, g, torch.exp(1.5 * torch.randn(k, generator=gen)))
+    assert sum(isinstance(m, SmoothedLinear) for m in pipe.transformer.modules()) == len(MUL_SCALE)
+    torch.testing.assert_close(output(pipe.transformer, kwargs), output(original, kwargs), **FLOAT_TOL)
+
+
+def test_the_step_keeps_the_float_model_and_records_its_search(spec):
+    pipe, kwargs = pipeline_and_input(spec)
+    reference = output(pipe.transformer, kwargs)
+    result = apply_step(
+        StepContext(pipeline=pipe, spec=spec, forward_loop=None), SmoothQuantConfig(calib_samples=1)
+    )
+    torch.testing.assert_close(output(pipe.transformer, kwargs), reference, **FLOAT_TOL)
+    record, stats = result.record, result.files[STATS_FILE]
+    for group in record["groups"]:
+        errors = group["errors"]
+        chosen = "none" if group["alpha"] is None else str(group["alpha"])
+        assert errors[chosen] == min(errors.values())
+        assert set(errors) == {"none", *map(str, SmoothQuantConfig().alphas)}
+    for layer in record["mul_scale"]:
+        mul = pipe.transformer.get_submodule(layer).div.mul_scale
+        torch.testing.assert_close(stats[f"smoothquant/{layer}.smooth_scale"], 1 / mul)
+    assert set(record["folded"]) | set(record["mul_scale"]) | set(record["unsmoothed"]) == {
+        t.layer for t in calibrated_targets(StepContext(pipe, spec, None), ())[0]
+    }
+    assert (
+        result.modules == {} and result.files["calibration/config.json"]["smoothquant"]["loop"] == "default"
+    )
+    assert record["alpha_search_data"]["seeds"] == [1]  # held out from the statistics' seed 0
+
+
+def test_an_outlier_channel_is_smoothed_and_its_error_drops(spec):
+    pipe = spec.build()
+    with torch.no_grad():  # one channel of ff.net.2's input 30x larger than the rest
+        proj = pipe.transformer.get_submodule("transformer_blocks.0.ff.net.0.proj")
+        proj.weight[7] *= 30
+        proj.bias[7] = 30 * proj.bias[7].abs() + 30
+    result = apply_step(StepContext(pipe, spec, None), SmoothQuantConfig(calib_samples=1))
+    (group,) = [g for g in result.record["groups"] if g["layers"] == ["transformer_blocks.0.ff.net.2"]]
+    assert group["alpha"] is not None
+    assert group["errors"][str(group["alpha"])] < 0.5 * group["errors"]["none"]
+
+
+def test_smoothquant_needs_a_static_step_after_it_with_the_same_excludes(spec):
+    with pytest.raises(RecipeError, match="only prepares w8a8_static or w8a8_timestep"):
+        resolve_recipe("smoothquant")
+    with pytest.raises(RecipeError, match="only prepares"):
+        resolve_recipe("smoothquant+w8a8-dynamic")
+    with pytest.raises(RecipeError, match="only prepares"):
+        RecipeConfig("x", [W8A8StaticConfig(), SmoothQuantConfig()])
+    assert [s.kind for s in resolve_recipe("w8a8-static+smoothquant").steps] == ["smoothquant", "w8a8_static"]
+    assert [s.kind for s in resolve_recipe("smoothquant+w8a8-timestep").steps] == [
+        "smoothquant",
+        "w8a8_timestep",
+    ]
+
+    pipe = spec.build()
+    ctx = StepContext(pipe, spec, None)
+    record = apply_step(ctx, SmoothQuantConfig(calib_samples=1)).record
+    with pytest.raises(ValueError, match="smoothed with an input multiplier"):
+        apply_step(ctx, W8A8StaticConfig(calib_samples=1, exclude=(record["mul_scale"][0],)))
+    with pytest.raises(ValueError, match="already smoothed"):
+        apply_step(ctx, SmoothQuantConfig(calib_samples=1))
