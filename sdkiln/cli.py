@@ -42,8 +42,10 @@ def cmd_optimize(args) -> int:
         eval_steps=args.steps,
         eval_guidance=args.guidance,
     )
-    print(f"optimized {result.manifest['model']['base_id']} with recipe {args.recipe!r}: "
-          f"{len(result.manifest['modules'])} layers quantized")
+    print(
+        f"optimized {result.manifest['model']['base_id']} with recipe {args.recipe!r}: "
+        f"{len(result.manifest['modules'])} layers quantized"
+    )
     print("\n".join(_quality_lines(result.quality or {})))
     print(f"package: {result.package}  ({time.perf_counter() - t0:.1f} s)")
     if args.format == "ascend":
@@ -106,12 +108,16 @@ def cmd_run(args) -> int:
     out_path = Path(args.out)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     for i, prompt in enumerate(args.prompt):
-        path = out_path if len(args.prompt) == 1 else out_path.with_name(f"{out_path.stem}-{i}{out_path.suffix}")
+        path = (
+            out_path if len(args.prompt) == 1 else out_path.with_name(f"{out_path.stem}-{i}{out_path.suffix}")
+        )
         t0 = time.perf_counter()
         out = pipe(prompt=prompt, generator=torch.Generator("cpu").manual_seed(args.seed + i), **kwargs)
         elapsed = time.perf_counter() - t0
         _save_image((out.frames if hasattr(out, "frames") else out.images)[0], path)
-        print(f"{path}: {prompt!r}  ({kwargs.get('num_inference_steps')} steps, seed {args.seed + i}, {elapsed:.2f} s)")
+        print(
+            f"{path}: {prompt!r}  ({kwargs.get('num_inference_steps')} steps, seed {args.seed + i}, {elapsed:.2f} s)"
+        )
     return 0
 
 
@@ -125,13 +131,19 @@ def cmd_inspect(args) -> int:
         print(json.dumps({**pkg.manifest, "summary": summary}, indent=2))
         return 0
     m = pkg.manifest
-    print(f"package {pkg.root}: {m['format']} v{m['schema_version']}, sdkiln {m['sdkiln_version']}, {m['created']}")
+    print(
+        f"package {pkg.root}: {m['format']} v{m['schema_version']}, sdkiln {m['sdkiln_version']}, {m['created']}"
+    )
     print(f"model: {m['model']['base_id']} ({m['model']['pipeline_class']}, {m['model']['dtype']})")
     print(f"recipe: {summary['recipe']}  steps: {', '.join(summary['steps']) or '(none)'}")
-    print(f"layers: {summary['layers_quantized']} quantized {summary['schemes']}, {summary['layers_float']} kept in float")
+    print(
+        f"layers: {summary['layers_quantized']} quantized {summary['schemes']}, {summary['layers_float']} kept in float"
+    )
     if summary["quantized_float_bytes"]:
-        print(f"quantized layers: {summary['quantized_bytes']:,} bytes vs {summary['quantized_float_bytes']:,} "
-              f"in fp32 ({summary['quantized_ratio']:.3f}x)")
+        print(
+            f"quantized layers: {summary['quantized_bytes']:,} bytes vs {summary['quantized_float_bytes']:,} "
+            f"in fp32 ({summary['quantized_ratio']:.3f}x)"
+        )
     print(f"package size: {summary['package_bytes']:,} bytes")
     quality = pkg.read_json("eval/quality.json")
     print("\n".join(_quality_lines(quality)))
@@ -174,11 +186,18 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     o = sub.add_parser("optimize", help="apply a recipe to a model and write a package")
-    o.add_argument("model", nargs="?", default=None,
-                   help="zoo name (fmnist-flux, flux-tiny, sd3-tiny, wan-tiny) or a local diffusers directory; "
-                   "default: the embedded model")
-    o.add_argument("--recipe", default="default",
-                   help="none, w8a8-dynamic, default; combine with '+'; or a .json/.yaml recipe file")
+    o.add_argument(
+        "model",
+        nargs="?",
+        default=None,
+        help="zoo name (fmnist-flux, flux-tiny, sd3-tiny, wan-tiny) or a local diffusers directory; "
+        "default: the embedded model",
+    )
+    o.add_argument(
+        "--recipe",
+        default="default",
+        help="none, w8a8-dynamic, default; combine with '+'; or a .json/.yaml recipe file",
+    )
     o.add_argument("--out", required=True, help="package directory to write (atomically)")
     o.add_argument("--force", action="store_true", help="replace an existing package at --out")
     o.add_argument("--eval-samples", type=int, default=20, help="samples in the quality report (0 skips it)")

@@ -38,6 +38,8 @@ class StepConfig:
     order: ClassVar[int] = 50
     transform_module: ClassVar[str] = ""
     prepares: ClassVar[tuple[str, ...]] = ()
+    quantizes: ClassVar[bool] = False
+    """A weight-quantization step; a recipe applies at most one (each replaces the same Linears)."""
     """For a step that only prepares another (SmoothQuant): the kinds of which one must follow it."""
 
     def to_dict(self) -> dict[str, Any]:
@@ -86,6 +88,7 @@ class W8A8DynamicConfig(StepConfig):
 
     kind: ClassVar[str] = "w8a8_dynamic"
     order: ClassVar[int] = 20
+    quantizes: ClassVar[bool] = True
     transform_module: ClassVar[str] = "sdkiln.optimizer.w8a8_dynamic"
     exclude: tuple[str, ...] = ()
 
@@ -133,6 +136,7 @@ class W8A8StaticConfig(StepConfig):
 
     kind: ClassVar[str] = "w8a8_static"
     order: ClassVar[int] = 20
+    quantizes: ClassVar[bool] = True
     transform_module: ClassVar[str] = "sdkiln.optimizer.w8a8_static"
     exclude: tuple[str, ...] = ()
     calib_samples: int = 8
@@ -153,6 +157,7 @@ class W8A8TimestepConfig(StepConfig):
 
     kind: ClassVar[str] = "w8a8_timestep"
     order: ClassVar[int] = 20
+    quantizes: ClassVar[bool] = True
     transform_module: ClassVar[str] = "sdkiln.optimizer.w8a8_timestep"
     exclude: tuple[str, ...] = ()
     dynamic_steps: tuple[int, ...] = (0, 1, 2, 4, 8)
@@ -174,6 +179,7 @@ class FP8DynamicConfig(StepConfig):
 
     kind: ClassVar[str] = "fp8_dynamic"
     order: ClassVar[int] = 20
+    quantizes: ClassVar[bool] = True
     transform_module: ClassVar[str] = "sdkiln.optimizer.fp8_dynamic"
     exclude: tuple[str, ...] = ()
 
@@ -188,6 +194,7 @@ class W8A16Config(StepConfig):
 
     kind: ClassVar[str] = "w8a16"
     order: ClassVar[int] = 20
+    quantizes: ClassVar[bool] = True
     transform_module: ClassVar[str] = "sdkiln.optimizer.weight_only"
     exclude: tuple[str, ...] = ()
 
@@ -202,6 +209,7 @@ class W4A16Config(StepConfig):
 
     kind: ClassVar[str] = "w4a16"
     order: ClassVar[int] = 20
+    quantizes: ClassVar[bool] = True
     transform_module: ClassVar[str] = "sdkiln.optimizer.weight_only"
     exclude: tuple[str, ...] = ()
     group_size: int = 128
@@ -220,6 +228,7 @@ class QuantAutoConfig(StepConfig):
 
     kind: ClassVar[str] = "quant_auto"
     order: ClassVar[int] = 20
+    quantizes: ClassVar[bool] = True
     transform_module: ClassVar[str] = "sdkiln.optimizer.quant_auto"
     scheme: str = "w8a8_static"
     fallbacks: tuple[str, ...] = ("w8a8_dynamic",)
@@ -243,6 +252,12 @@ class RecipeConfig:
     version: ClassVar[int] = 1
 
     def __post_init__(self) -> None:
+        quantizers = [s.kind for s in self.steps if s.quantizes]
+        if len(quantizers) > 1:
+            raise RecipeError(
+                f"recipe applies {len(quantizers)} quantization schemes ({', '.join(quantizers)}); each replaces the "
+                "same layers, so apply one (quant-auto mixes schemes per layer)"
+            )
         for i, step in enumerate(self.steps):
             later = {s.kind for s in self.steps[i + 1 :]}
             if step.prepares and not later & set(step.prepares):

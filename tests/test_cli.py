@@ -21,7 +21,21 @@ def packages(tmp_path_factory):
     root = tmp_path_factory.mktemp("cli")
     out = {}
     for name in ("flux-tiny", "sd3-tiny", "wan-tiny"):
-        assert main(["optimize", name, "--recipe", "w8a8-dynamic", "--out", str(root / name), "--eval-samples", "2"]) == 0
+        assert (
+            main(
+                [
+                    "optimize",
+                    name,
+                    "--recipe",
+                    "w8a8-dynamic",
+                    "--out",
+                    str(root / name),
+                    "--eval-samples",
+                    "2",
+                ]
+            )
+            == 0
+        )
         out[name] = root / name
     return out
 
@@ -88,7 +102,21 @@ def test_optimize_from_a_local_diffusers_directory(tmp_path, capsys):
 
     get_spec("flux-tiny").build().save_pretrained(tmp_path / "base")
     out = tmp_path / "pkg"
-    assert main(["optimize", str(tmp_path / "base"), "--recipe", "w8a8-dynamic", "--out", str(out), "--eval-samples", "1"]) == 0
+    assert (
+        main(
+            [
+                "optimize",
+                str(tmp_path / "base"),
+                "--recipe",
+                "w8a8-dynamic",
+                "--out",
+                str(out),
+                "--eval-samples",
+                "1",
+            ]
+        )
+        == 0
+    )
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["model"]["base_id"] == str((tmp_path / "base").resolve())
     assert manifest["model"]["family"] == "flux-tiny"

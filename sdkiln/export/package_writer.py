@@ -64,7 +64,9 @@ def _write_components(tmp: Path, pipeline, transformer_attr: str) -> list[str]:
         if component is None or name == transformer_attr:
             continue
         if not hasattr(component, "save_pretrained"):
-            raise PackageError(f"component {name!r} ({type(component).__name__}) cannot be saved without pickle")
+            raise PackageError(
+                f"component {name!r} ({type(component).__name__}) cannot be saved without pickle"
+            )
         component.save_pretrained(tmp / name)
     transformer = getattr(pipeline, transformer_attr)
     transformer.save_config(tmp / transformer_attr)
@@ -114,7 +116,9 @@ def write_package(
         for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
             rel = path.relative_to(tmp).as_posix()
             if not rel.endswith(ALLOWED_SUFFIXES):
-                raise PackageError(f"{rel}: written by a component's save_pretrained, but packages hold only {ALLOWED_SUFFIXES}")
+                raise PackageError(
+                    f"{rel}: written by a component's save_pretrained, but packages hold only {ALLOWED_SUFFIXES}"
+                )
             os.chmod(path, 0o644)
             files[rel] = {"sha256": sha256_file(path), "size": path.stat().st_size}
         full = {

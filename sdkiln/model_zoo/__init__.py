@@ -26,7 +26,9 @@ def spec_names() -> list[str]:
 def get_spec(name: str | None = None) -> ModelSpec:
     name = name or DEFAULT_MODEL
     if name not in _SPEC_MODULES:
-        raise ModelError(f"unknown model {name!r}: not a model name ({', '.join(_SPEC_MODULES)}) nor a directory")
+        raise ModelError(
+            f"unknown model {name!r}: not a model name ({', '.join(_SPEC_MODULES)}) nor a directory"
+        )
     return importlib.import_module(_SPEC_MODULES[name]).SPEC
 
 
@@ -38,7 +40,9 @@ def spec_for_pipeline(pipeline) -> ModelSpec:
         spec = get_spec(name)
         if spec.pipeline_class == cls or spec.pipeline_class.split(":")[-1] == short:
             return spec
-    raise ModelError(f"no sdkiln model spec for pipeline class {short}; known families: {', '.join(_SPEC_MODULES)}")
+    raise ModelError(
+        f"no sdkiln model spec for pipeline class {short}; known families: {', '.join(_SPEC_MODULES)}"
+    )
 
 
 def _import_class(path: str):
@@ -54,7 +58,9 @@ def load_model(model: str | None = None):
     path = Path(model)
     index = path / "model_index.json"
     if not index.is_file():
-        raise ModelError(f"{model}: not a model name ({', '.join(_SPEC_MODULES)}) nor a diffusers directory with model_index.json")
+        raise ModelError(
+            f"{model}: not a model name ({', '.join(_SPEC_MODULES)}) nor a diffusers directory with model_index.json"
+        )
     try:
         class_name = json.loads(index.read_text(encoding="utf-8"))["_class_name"]
     except (json.JSONDecodeError, KeyError) as exc:
@@ -64,7 +70,17 @@ def load_model(model: str | None = None):
         if spec.pipeline_class.split(":")[-1] == class_name:
             pipe = _import_class(spec.pipeline_class).from_pretrained(str(path), use_safetensors=True)
             return pipe, spec, str(path.resolve())
-    raise ModelError(f"{index}: pipeline class {class_name} has no sdkiln model spec ({', '.join(_SPEC_MODULES)})")
+    raise ModelError(
+        f"{index}: pipeline class {class_name} has no sdkiln model spec ({', '.join(_SPEC_MODULES)})"
+    )
 
 
-__all__ = ["BlockList", "ModelSpec", "get_spec", "spec_names", "spec_for_pipeline", "load_model", "DEFAULT_MODEL"]
+__all__ = [
+    "BlockList",
+    "ModelSpec",
+    "get_spec",
+    "spec_names",
+    "spec_for_pipeline",
+    "load_model",
+    "DEFAULT_MODEL",
+]

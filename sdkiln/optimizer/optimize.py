@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from sdkiln.configs import RecipeConfig
+from sdkiln.errors import RecipeError
 from sdkiln.export import write_package
 from sdkiln.model_zoo import ModelSpec, load_model, spec_for_pipeline
 from sdkiln.model_zoo.fingerprint import fingerprint
@@ -80,6 +81,11 @@ def optimize(
     for a pipeline object it defaults to the directory it was loaded from, else the family's name.
     """
     recipe = resolve_recipe(recipe)
+    # A step calibrated at a step count other than the family default deploys at that count.
+    calibrated = {c.calib_steps for c in recipe.steps if getattr(c, "calib_steps", None)}
+    if len(calibrated) > 1:
+        raise RecipeError(f"recipe steps calibrate at different step counts {sorted(calibrated)}; use one")
+    deploy_steps = next(iter(calibrated), None)
     if isinstance(model, str | os.PathLike) or model is None:
         base, spec, base_id = load_model(None if model is None else str(model))
     else:
@@ -105,13 +111,15 @@ def optimize(
             "transformer_class": type(base_transformer).__name__,
             "dtype": _dtype_name(base_transformer),
         },
-        "call": {"guidance_arg": spec.guidance_arg, "defaults": spec.call_kwargs()},
+        "call": {"guidance_arg": spec.guidance_arg, "defaults": spec.call_kwargs(steps=deploy_steps)},
         "recipe": {"name": recipe.name, "version": recipe.version, "steps": steps},
         "modules": modules,
     }
     quality = None
     if eval_samples > 0:
-        quality, _, _ = compare(base, optimized, spec, eval_samples, eval_steps, eval_guidance)
+        quality, _, _ = compare(
+            base, optimized, spec, eval_samples, eval_steps or deploy_steps, eval_guidance
+        )
     package = None
     if out_dir is not None:
         package = write_package(

@@ -30,7 +30,9 @@ def resolve_class(path: str, base: type, what: str) -> type:
     """``module:Class`` from the allow-list, and a subclass of ``base``."""
     module, _, name = path.partition(":")
     if not name or not (module == "diffusers" or module.startswith(_PIPELINE_MODULES[1])):
-        raise PackageError(f"manifest.json: {what} {path!r} is not from diffusers or sdkiln.model_zoo; refusing it")
+        raise PackageError(
+            f"manifest.json: {what} {path!r} is not from diffusers or sdkiln.model_zoo; refusing it"
+        )
     try:
         cls = getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError) as exc:

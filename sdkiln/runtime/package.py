@@ -35,10 +35,19 @@ def sha256_file(path: Path) -> str:
 def check_relpath(rel: str) -> PurePosixPath:
     """A manifest path must be relative, POSIX, and stay inside the package."""
     p = PurePosixPath(rel)
-    if not rel or "\\" in rel or p.is_absolute() or rel.startswith("/") or ".." in p.parts or ":" in p.parts[0]:
+    if (
+        not rel
+        or "\\" in rel
+        or p.is_absolute()
+        or rel.startswith("/")
+        or ".." in p.parts
+        or ":" in p.parts[0]
+    ):
         raise PackageError(f"{MANIFEST}: path {rel!r} leaves the package (absolute or '..'); refusing it")
     if not rel.endswith(ALLOWED_SUFFIXES):
-        raise PackageError(f"{MANIFEST}: file {rel!r} has a type packages may not hold (only {ALLOWED_SUFFIXES})")
+        raise PackageError(
+            f"{MANIFEST}: file {rel!r} has a type packages may not hold (only {ALLOWED_SUFFIXES})"
+        )
     return p
 
 
@@ -118,7 +127,9 @@ def open_package(root: str | os.PathLike) -> Package:
             raise PackageError(f"{rel}: listed in {MANIFEST} but missing")
         size = full.stat().st_size
         if size != meta.get("size"):
-            raise PackageError(f"{rel}: size {size} != {meta.get('size')} in {MANIFEST} (corrupt or tampered)")
+            raise PackageError(
+                f"{rel}: size {size} != {meta.get('size')} in {MANIFEST} (corrupt or tampered)"
+            )
         if sha256_file(full) != meta.get("sha256"):
             raise PackageError(f"{rel}: sha256 does not match {MANIFEST} (corrupt or tampered)")
     return Package(root=root, manifest=manifest)

@@ -8,8 +8,6 @@ from safetensors import safe_open
 
 from sdkiln.runtime.package import TRANSFORMER_WEIGHTS, Package
 
-# Tensors a quantized layer stores besides its (unchanged, float) bias.
-QUANT_TENSORS = ("weight", "weight_scale", "weight_offset")
 _ITEMSIZE = {"I8": 1, "U8": 1, "F16": 2, "BF16": 2, "F32": 4, "F64": 8, "I32": 4, "I64": 8, "F8_E4M3": 1}
 # A quantized weight stored as uint8 holds two int4 values a byte (W4A16, ``sdkiln.kernels.int4``).
 _WEIGHT_VALUES_PER_ELEMENT = {"U8": 2}
@@ -18,26 +16,27 @@ _WEIGHT_VALUES_PER_ELEMENT = {"U8": 2}
 def summarize(pkg: Package) -> dict[str, Any]:
     """Layers quantized and kept in float, and the quantized layers' bytes against fp32.
 
-    ``quantized_bytes`` counts what a quantized layer stores for its weight (int8, float8 or packed
-    int4 values, scales, offsets); ``quantized_float_bytes`` is what the same weights weigh in
-    float32. Biases are float in both and are not counted.
+    ``quantized_bytes`` counts every tensor a quantized layer stores except its float bias: the
+    int8, float8 or packed int4 weight, its scales and offsets, and a static layer's activation
+    parameters, ``deq_scale`` and ``quant_bias`` (and a SmoothQuant ``mul_scale``);
+    ``quantized_float_bytes`` is what the same weights weigh in float32. The float bias is the same
+    in both and is not counted.
     """
     m = pkg.manifest
     attr = m["model"]["transformer_attr"]
     modules = m["modules"]
-    float_layers = sorted({n for step in m["recipe"]["steps"] for n in step["result"].get("float", [])} - set(modules))
+    float_layers = sorted(
+        {n for step in m["recipe"]["steps"] for n in step["result"].get("float", [])} - set(modules)
+    )
     qbytes = fbytes = 0
     with safe_open(pkg.path(f"{attr}/{TRANSFORMER_WEIGHTS}"), framework="pt") as fh:
         keys = set(fh.keys())
         for layer in modules:
-            for suffix in QUANT_TENSORS:
-                key = f"{layer}.{suffix}"
-                if key not in keys:
-                    continue
+            for key in sorted(k for k in keys if k.startswith(f"{layer}.") and not k.endswith(".bias")):
                 sl = fh.get_slice(key)
                 numel = _numel(sl.get_shape())
                 qbytes += numel * _ITEMSIZE[sl.get_dtype()]
-                if suffix == "weight":
+                if key in (f"{layer}.weight", f"{layer}.linear.weight"):
                     fbytes += numel * _WEIGHT_VALUES_PER_ELEMENT.get(sl.get_dtype(), 1) * 4
         total = sum(
             _ITEMSIZE[fh.get_slice(k).get_dtype()] * _numel(fh.get_slice(k).get_shape()) for k in keys

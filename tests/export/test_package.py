@@ -92,7 +92,9 @@ def test_unlisted_pickle_and_schema_version_are_refused(flux_result, tmp_path):
         open_package(root)
 
 
-def test_existing_target_needs_force_and_interrupted_export_leaves_nothing(flux_result, tmp_path, monkeypatch):
+def test_existing_target_needs_force_and_interrupted_export_leaves_nothing(
+    flux_result, tmp_path, monkeypatch
+):
     target = tmp_path / "pkg"
     target.mkdir()
     with pytest.raises(PackageError, match="already exists"):
@@ -107,5 +109,7 @@ def test_existing_target_needs_force_and_interrupted_export_leaves_nothing(flux_
         package_writer.write_package(fresh, flux_result.pipeline, flux_result.manifest, {}, "transformer")
     assert not fresh.exists() and [p.name for p in tmp_path.iterdir()] == ["pkg"]
     with pytest.raises(KeyboardInterrupt):
-        package_writer.write_package(target, flux_result.pipeline, flux_result.manifest, {}, "transformer", force=True)
+        package_writer.write_package(
+            target, flux_result.pipeline, flux_result.manifest, {}, "transformer", force=True
+        )
     assert target.is_dir() and not any(target.iterdir()), "a failed --force export must keep the old target"

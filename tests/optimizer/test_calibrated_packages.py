@@ -160,3 +160,12 @@ def test_a_user_forward_loop_is_run_and_recorded():
     assert step["calibration"] == {"loop": "user", "steps": 3} and step["num_steps"] == 3
     assert set(e["num_steps"] for e in result.manifest["modules"].values()) == {3}
     assert result.files["calibration/config.json"] == {"w8a8_timestep": {"loop": "user", "steps": 3}}
+
+
+def test_a_recipe_calibrated_at_other_steps_deploys_and_is_evaluated_at_those_steps(tmp_path):
+    recipe = RecipeConfig(
+        name="ts3", steps=[W8A8TimestepConfig(calib_samples=1, calib_steps=3, dynamic_steps=(1,))]
+    )
+    result = sdkiln.optimize("flux-tiny", recipe, tmp_path / "p", eval_samples=1)
+    assert result.manifest["call"]["defaults"]["num_inference_steps"] == 3
+    assert result.quality["steps"] == 3

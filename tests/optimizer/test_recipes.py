@@ -50,3 +50,8 @@ def test_recipe_files_json_and_yaml(tmp_path):
     (tmp_path / "bad.json").write_text("{not json")
     with pytest.raises(RecipeError, match="cannot parse"):
         resolve_recipe(str(tmp_path / "bad.json"))
+
+
+def test_two_quantization_schemes_in_one_recipe_are_refused():
+    with pytest.raises(RecipeError, match="2 quantization schemes"):
+        resolve_recipe("w8a16+w8a8-dynamic")

@@ -26,9 +26,13 @@ class W8A8Linear(nn.Module):
         super().__init__()
         self.in_features = in_features
         self.out_features = out_features
-        self.register_buffer("weight", torch.empty(out_features, in_features, dtype=torch.int8, device=device))
+        self.register_buffer(
+            "weight", torch.empty(out_features, in_features, dtype=torch.int8, device=device)
+        )
         self.register_buffer("weight_scale", torch.empty(out_features, 1, dtype=torch.float32, device=device))
-        self.register_buffer("weight_offset", torch.empty(out_features, 1, dtype=torch.float32, device=device))
+        self.register_buffer(
+            "weight_offset", torch.empty(out_features, 1, dtype=torch.float32, device=device)
+        )
         if bias:
             self.register_buffer("bias", torch.empty(out_features, dtype=dtype, device=device))
         else:
@@ -38,7 +42,9 @@ class W8A8Linear(nn.Module):
     def from_linear(cls, linear: nn.Linear) -> W8A8Linear:
         w = linear.weight.detach().float()
         scale = w.abs().amax(dim=1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny) / 127.0
-        mod = cls(linear.in_features, linear.out_features, linear.bias is not None, linear.weight.dtype, w.device)
+        mod = cls(
+            linear.in_features, linear.out_features, linear.bias is not None, linear.weight.dtype, w.device
+        )
         mod.weight.copy_(torch.round(w / scale).clamp_(-127, 127).to(torch.int8))
         mod.weight_scale.copy_(scale)
         mod.weight_offset.zero_()
@@ -55,4 +61,3 @@ class W8A8Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.scheme}"
-
