@@ -8,6 +8,7 @@ config class registered here plus one transform registered in ``sdkiln.optimizer
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -39,7 +40,9 @@ class StepConfig:
     transform_module: ClassVar[str] = ""
     prepares: ClassVar[tuple[str, ...]] = ()
     quantizes: ClassVar[bool] = False
-    """A weight-quantization step; a recipe applies at most one (each replaces the same Linears)."""
+    """A weight-quantization step. Two of them in one recipe must split the layers with ``exclude``
+    (a later step quantizes only the Linears an earlier one left), so recipe names, which carry no
+    ``exclude``, combine at most one."""
     """For a step that only prepares another (SmoothQuant): the kinds of which one must follow it."""
 
     def to_dict(self) -> dict[str, Any]:
@@ -220,6 +223,10 @@ class W4A16Config(StepConfig):
             raise ValueError("group_size must be 64 or 128")
 
 
+QUANT_AUTO_SCHEMES = ("w8a8_static", "w8a8_timestep", "w8a8_dynamic", "fp8_dynamic", "w8a16", "w4a16")
+"""The step kinds quant_auto can give a layer: each can be applied to one layer on its own."""
+
+
 @register_config
 @dataclass
 class QuantAutoConfig(StepConfig):
@@ -240,6 +247,17 @@ class QuantAutoConfig(StepConfig):
     def __post_init__(self) -> None:
         self.exclude = _patterns(self.exclude)
         self.fallbacks = tuple(self.fallbacks)
+        order = (self.scheme, *self.fallbacks)
+        unknown = [s for s in order if s not in QUANT_AUTO_SCHEMES]
+        if unknown:
+            raise ValueError(f"quant_auto cannot use {unknown[0]!r}; its schemes are {', '.join(QUANT_AUTO_SCHEMES)}")
+        if len(set(order)) != len(order):
+            raise ValueError(f"scheme and fallbacks must name each scheme once, got {list(order)}")
+        if isinstance(self.sqnr_floor_db, bool) or not isinstance(self.sqnr_floor_db, int | float):
+            raise ValueError(f"sqnr_floor_db must be a number of dB, got {self.sqnr_floor_db!r}")
+        self.sqnr_floor_db = float(self.sqnr_floor_db)
+        if not math.isfinite(self.sqnr_floor_db):
+            raise ValueError("sqnr_floor_db must be finite")
         _check_calibration(self)
 
 
@@ -252,12 +270,6 @@ class RecipeConfig:
     version: ClassVar[int] = 1
 
     def __post_init__(self) -> None:
-        quantizers = [s.kind for s in self.steps if s.quantizes]
-        if len(quantizers) > 1:
-            raise RecipeError(
-                f"recipe applies {len(quantizers)} quantization schemes ({', '.join(quantizers)}); each replaces the "
-                "same layers, so apply one (quant-auto mixes schemes per layer)"
-            )
         for i, step in enumerate(self.steps):
             later = {s.kind for s in self.steps[i + 1 :]}
             if step.prepares and not later & set(step.prepares):

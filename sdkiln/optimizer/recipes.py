@@ -48,6 +48,12 @@ def resolve_recipe(recipe: str | RecipeConfig) -> RecipeConfig:
     kinds = [s.kind for s in steps]
     if len(set(kinds)) != len(kinds):
         raise RecipeError(f"recipe {recipe!r} applies the same step twice: {kinds}")
+    quantizers = [s.kind for s in steps if s.quantizes]
+    if len(quantizers) > 1:
+        raise RecipeError(
+            f"recipe {recipe!r} names {len(quantizers)} quantization schemes ({', '.join(quantizers)}); each would "
+            "take every layer: name one, use quant-auto to mix them per layer, or split layers in a recipe file with 'exclude'"
+        )
     return RecipeConfig(name=recipe, steps=sorted(steps, key=lambda s: s.order))
 
 

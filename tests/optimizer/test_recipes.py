@@ -53,5 +53,5 @@ def test_recipe_files_json_and_yaml(tmp_path):
 
 
 def test_two_quantization_schemes_in_one_recipe_are_refused():
-    with pytest.raises(RecipeError, match="2 quantization schemes"):
+    with pytest.raises(RecipeError, match="names 2 quantization schemes"):
         resolve_recipe("w8a16+w8a8-dynamic")
