@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,6 +31,7 @@ from torch import Tensor
 
 from sdkiln.errors import PackageError
 from sdkiln.export.ascend_schemes import FLOAT_TAG, AscendLayer, ascend_layer_tensors
+from sdkiln.export.atomic import atomic_directory
 from sdkiln.runtime.package import TRANSFORMER_WEIGHTS, open_package
 
 FILE_MODE = 0o640
@@ -188,8 +187,6 @@ def _check_replaceable(target: Path, force: bool) -> None:
 def _write_private(path: Path, write) -> None:
     write(path)
     os.chmod(path, FILE_MODE)
-    with open(path, "rb") as fh:
-        os.fsync(fh.fileno())
 
 
 def export_ascend(
@@ -211,31 +208,12 @@ def export_ascend(
     target = Path(out_dir)
     if target.is_symlink() or target.exists():
         _check_replaceable(target, force)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.parent / f".{target.name}.tmp-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir(mode=0o700)
-    try:
+    with atomic_directory(target, mode=DIR_MODE) as tmp:
         desc_path = tmp / DESCRIPTION_FILE.format(type=quant_type)
         weights_path = tmp / WEIGHTS_FILE.format(type=quant_type)
         text = json.dumps(description, indent=2) + "\n"
         _write_private(desc_path, lambda p: p.write_text(text, encoding="utf-8"))
         _write_private(weights_path, lambda p: save_file(weights, str(p), metadata={"format": "pt"}))
-        os.chmod(tmp, DIR_MODE)
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        if target.exists():
-            old = target.parent / f".{target.name}.old-{uuid.uuid4().hex[:8]}"
-            os.rename(target, old)
-            os.rename(tmp, target)
-            shutil.rmtree(old)
-        else:
-            os.rename(tmp, target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     schemes: dict[str, int] = {}
     for info in manifest["modules"].values():
         schemes[info["scheme"]] = schemes.get(info["scheme"], 0) + 1

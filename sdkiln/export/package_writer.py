@@ -10,8 +10,6 @@ from __future__ import annotations
 import datetime as dt
 import json
 import os
-import shutil
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +18,7 @@ from safetensors.torch import save_file
 
 from sdkiln import __version__
 from sdkiln.errors import PackageError
+from sdkiln.export.atomic import atomic_directory
 from sdkiln.runtime.package import (
     ALLOWED_SUFFIXES,
     FORMAT_NAME,
@@ -30,18 +29,6 @@ from sdkiln.runtime.package import (
     check_relpath,
     sha256_file,
 )
-
-
-def _fsync_tree(root: Path) -> None:
-    for dirpath, _, filenames in os.walk(root):
-        for name in filenames:
-            with open(Path(dirpath) / name, "rb") as fh:
-                os.fsync(fh.fileno())
-        fd = os.open(dirpath, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
 
 def transformer_tensors(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], list[str]]:
@@ -105,10 +92,7 @@ def write_package(
     target = Path(out_dir)
     if target.exists() and not force:
         raise PackageError(f"{target}: already exists; pass --force (force=True) to replace it")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.parent / f".{target.name}.tmp-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
+    with atomic_directory(target) as tmp:
         extra = _write_components(tmp, pipeline, transformer_attr)
         _write_json(tmp / QUALITY_REPORT, quality)
         _write_extra(tmp, extra_files or {})
@@ -131,15 +115,4 @@ def write_package(
         }
         full["model"] = {**full["model"], "nonpersistent_buffers": extra}
         _write_json(tmp / MANIFEST, full)
-        _fsync_tree(tmp)
-        if target.exists():
-            old = target.parent / f".{target.name}.old-{uuid.uuid4().hex[:8]}"
-            os.rename(target, old)
-            os.rename(tmp, target)
-            shutil.rmtree(old)
-        else:
-            os.rename(tmp, target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return target

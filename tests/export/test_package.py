@@ -10,7 +10,7 @@ import torch
 
 import sdkiln
 from sdkiln.errors import PackageError
-from sdkiln.export import package_writer
+from sdkiln.export import atomic, package_writer
 from sdkiln.optimizer.evaluate import generate
 from sdkiln.runtime import W8A8Linear, open_package
 
@@ -104,7 +104,7 @@ def test_existing_target_needs_force_and_interrupted_export_leaves_nothing(
         raise KeyboardInterrupt
 
     fresh = tmp_path / "fresh"
-    monkeypatch.setattr(package_writer, "_fsync_tree", die)
+    monkeypatch.setattr(atomic, "fsync_tree", die)
     with pytest.raises(KeyboardInterrupt):
         package_writer.write_package(fresh, flux_result.pipeline, flux_result.manifest, {}, "transformer")
     assert not fresh.exists() and [p.name for p in tmp_path.iterdir()] == ["pkg"]
