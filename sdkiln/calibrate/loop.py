@@ -96,14 +96,15 @@ class PromptLoop:
 
 
 def resolve_loop(
-    spec: ModelSpec, forward_loop: ForwardLoop | None, samples: int, steps: int | None
+    spec: ModelSpec, forward_loop: ForwardLoop | None, samples: int, steps: int | None, first: int = 0
 ) -> tuple[ForwardLoop, dict[str, Any]]:
-    """The loop a calibrating step runs and its record: the user's loop as given, else ``PromptLoop``.
+    """The loop a calibrating step runs and its record: the user's loop as given, else ``PromptLoop``
+    from sample ``first`` (a second pass on held-out samples starts after the first pass's).
 
     A user loop's prompts are unknown to us; its record says so, and the step adds the step count the
     observers saw.
     """
     if forward_loop is not None:
         return forward_loop, {"loop": "user"}
-    loop = PromptLoop(spec, samples, steps)
+    loop = PromptLoop(spec, samples, steps, first=first)
     return loop, loop.record()

@@ -18,6 +18,7 @@ from torch import nn
 
 from sdkiln.calibrate.loop import resolve_loop
 from sdkiln.calibrate.observers import InputObserver, collect_input_stats, stats_tensors
+from sdkiln.errors import StepError
 from sdkiln.optimizer.registry import StepContext
 from sdkiln.runtime.quant.smooth import SmoothedLinear
 
@@ -84,6 +85,17 @@ def calibrate(
     if record["loop"] == "user":  # every layer runs in every transformer call, so all saw one count
         record["steps"] = next(iter(observers.values())).num_steps
     return observers, record
+
+
+def require_every_step(observers: dict[str, InputObserver]) -> None:
+    """Refuse per-step statistics with a gap: a step the loop never ran has no range to calibrate."""
+    for layer, obs in observers.items():
+        missing = (~obs.steps_seen()).nonzero().flatten().tolist()
+        if missing:
+            raise StepError(
+                f"{layer}: the calibration loop never ran denoising step(s) {missing} of {obs.num_steps}; "
+                "W8A8_TIMESTEP needs every step (run the pipeline from its first step)"
+            )
 
 
 def calibration_files(

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from sdkiln.configs import (
     FP8DynamicConfig,
+    QuantAutoConfig,
     RecipeConfig,
     SmoothQuantConfig,
     StepConfig,
@@ -28,8 +29,9 @@ NAMED_RECIPES: dict[str, Callable[[], list[StepConfig]]] = {
     "w8a8-static": lambda: [W8A8StaticConfig()],
     "w8a8-timestep": lambda: [W8A8TimestepConfig()],
     "smoothquant": lambda: [SmoothQuantConfig()],
+    "quant-auto": lambda: [QuantAutoConfig()],
 }
-ALIASES = {"default": "w8a8-dynamic"}
+ALIASES = {"default": "quant-auto"}
 
 
 def resolve_recipe(recipe: str | RecipeConfig) -> RecipeConfig:

@@ -18,13 +18,13 @@ from __future__ import annotations
 
 from sdkiln.calibrate.loop import PromptLoop
 from sdkiln.configs import W8A8TimestepConfig
-from sdkiln.errors import StepError
 from sdkiln.optimizer.calibrated_layers import (
     calibrate,
     calibrated_targets,
     calibration_files,
     manifest_entry,
     replace,
+    require_every_step,
 )
 from sdkiln.optimizer.metrics import rel_l2
 from sdkiln.optimizer.registry import StepContext, StepResult, register_transform
@@ -39,13 +39,7 @@ def apply_w8a8_timestep(ctx: StepContext, config: W8A8TimestepConfig) -> StepRes
     observers, record = calibrate(ctx, [t.linear for t in targets], config.calib_samples, config.calib_steps)
     by_layer = {t.layer: observers[t.linear] for t in targets}
     num_steps = next(iter(by_layer.values())).num_steps
-    for layer, obs in by_layer.items():
-        missing = (~obs.steps_seen()).nonzero().flatten().tolist()
-        if missing:
-            raise StepError(
-                f"{layer}: the calibration loop never ran denoising step(s) {missing} of {num_steps}; "
-                "W8A8_TIMESTEP needs every step (run the pipeline from its first step)"
-            )
+    require_every_step(by_layer)
 
     search = PromptLoop(ctx.spec, config.calib_samples, steps=record["steps"], first=config.calib_samples)
     reference = search.run(ctx.pipeline, capture_latents=True)

@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from sdkiln.configs import STEP_CONFIGS, RecipeConfig, StepConfig, W8A8DynamicConfig
+from sdkiln.configs import STEP_CONFIGS, QuantAutoConfig, RecipeConfig, StepConfig, W8A8DynamicConfig
 from sdkiln.errors import RecipeError
 from sdkiln.optimizer.recipes import resolve_recipe
 
@@ -22,7 +22,7 @@ def test_recipe_round_trips_through_json():
 
 def test_named_recipes():
     assert resolve_recipe("none").steps == []
-    assert resolve_recipe("default").steps == [W8A8DynamicConfig()]
+    assert resolve_recipe("default").steps == [QuantAutoConfig()]
     assert resolve_recipe("none+w8a8-dynamic").steps == [W8A8DynamicConfig()]
 
 
@@ -30,7 +30,7 @@ def test_unknown_recipe_and_kind_are_clear_errors(tmp_path):
     with pytest.raises(RecipeError, match="unknown recipe 'int3'"):
         resolve_recipe("int3")
     with pytest.raises(RecipeError, match="same step twice"):
-        resolve_recipe("w8a8-dynamic+default")
+        resolve_recipe("quant-auto+default")
     with pytest.raises(RecipeError, match="unknown recipe step kind"):
         StepConfig.from_dict({"kind": "pickle_me"})
     with pytest.raises(RecipeError, match="unknown fields"):

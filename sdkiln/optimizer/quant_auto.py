@@ -1,0 +1,222 @@
+"""quant_auto: mixed precision under a quality floor.
+
+One scheme rarely suits every layer of a diffusion transformer: a few layers see rare, huge
+activations that a per-tensor static range cannot hold without crushing everything else, while
+most are fine with it. So each layer gets the first scheme of ``(scheme, *fallbacks)`` whose output
+is close enough to the float layer's, and stays in float if none is:
+
+1. Range pass (only if a candidate scheme needs activation ranges: w8a8_static, w8a8_timestep): the
+   static steps' calibration (``calibrated_layers.calibrate``) over ``calib_samples`` samples; its
+   statistics go into ``calibration/stats.safetensors`` under ``quant_auto/``, as the static step's do.
+2. Sensitivity pass: every candidate layer's input, as the float model computes it, goes through
+   the float layer and through each candidate scheme's module (built from the layer and its ranges);
+   ``LayerSensitivity`` adds up the float output's power and each candidate's error power, two
+   floats per candidate and no activations. SQNR = 10 log10(signal / error) in dB over all tokens,
+   steps and samples. With the default loop this pass runs ``sensitivity_samples`` samples that
+   follow the range pass's (other seeds), so a static range is scored on data it was not fitted to
+   and its clipping counts, as SmoothQuant's alpha search does; a user's loop runs again as given.
+3. The plan: per layer the first scheme whose SQNR reaches ``sqnr_floor_db`` (``choose``), else float.
+   The manifest's ``modules`` gets each layer's own scheme; the step record keeps, per layer, every
+   candidate's SQNR and the choice, and the counts per scheme.
+
+A W8A8_TIMESTEP candidate is scored and kept with ``dynamic_steps`` 0 (static at every step): its
+per-step ranges are what sets it apart from W8A8. A candidate that cannot represent a layer (W4A16
+where in_features is not a multiple of the group size; a static bias that overflows int32) is
+recorded under ``not_applicable`` with the reason and is not chosen.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sdkiln.calibrate.loop import ForwardLoop, resolve_loop
+from sdkiln.calibrate.observers import InputObserver, observing
+from sdkiln.configs import QuantAutoConfig, W4A16Config
+from sdkiln.optimizer.calibrated_layers import (
+    Target,
+    calibrate,
+    calibration_files,
+    manifest_entry,
+    replace,
+    require_every_step,
+)
+from sdkiln.optimizer.layers import block_linears
+from sdkiln.optimizer.registry import StepContext, StepResult, register_transform
+from sdkiln.runtime.quant.fp8_dynamic import FP8Linear
+from sdkiln.runtime.quant.w8a8_dynamic import W8A8Linear
+from sdkiln.runtime.quant.w8a8_static import W8A8StaticLinear
+from sdkiln.runtime.quant.w8a8_timestep import W8A8TimestepLinear
+from sdkiln.runtime.quant.weight_only import W4A16Linear, W8A16Linear
+from sdkiln.runtime.steps import attach_step_tracker
+
+FLOAT = "float"
+SQNR_CAP_DB = 100.0
+"""An error-free candidate has infinite SQNR; the record caps it here so the JSON stays standard."""
+W4A16_GROUP_SIZE = W4A16Config().group_size
+
+
+def _w4a16(linear: nn.Linear, _ranges: InputObserver | None) -> nn.Module:
+    if linear.in_features % W4A16_GROUP_SIZE:
+        raise ValueError(
+            f"in_features {linear.in_features} is not a multiple of group_size {W4A16_GROUP_SIZE}"
+        )
+    return W4A16Linear.from_linear(linear, W4A16_GROUP_SIZE)
+
+
+Builder = Callable[[nn.Linear, InputObserver | None], nn.Module]
+BUILDERS: dict[str, Builder] = {
+    "w8a8_static": lambda linear, ranges: W8A8StaticLinear.from_linear(linear, ranges.min, ranges.max),
+    "w8a8_timestep": lambda linear, ranges: W8A8TimestepLinear.from_linear(
+        linear, ranges.step_min, ranges.step_max, dynamic_steps=0
+    ),
+    "w8a8_dynamic": lambda linear, _: W8A8Linear.from_linear(linear),
+    "fp8_dynamic": lambda linear, _: FP8Linear.from_linear(linear),
+    "w8a16": lambda linear, _: W8A16Linear.from_linear(linear),
+    "w4a16": _w4a16,
+}
+"""Step kind -> the runtime module for one layer, from the float layer and its input ranges."""
+NEEDS_RANGES = frozenset({"w8a8_static", "w8a8_timestep"})
+
+
+class LayerSensitivity:
+    """An input callback for one layer: streams the float output's power and, per candidate module,
+    the power of its error against the float output. Its state is two floats per candidate."""
+
+    def __init__(self, linear: nn.Linear, candidates: dict[str, nn.Module]):
+        self.linear, self.candidates = linear, candidates
+        self.signal = 0.0
+        self.noise = dict.fromkeys(candidates, 0.0)
+        self.num_steps: int | None = None
+
+    def __call__(self, x: torch.Tensor, step: int, num_steps: int) -> None:
+        # F.linear, not self.linear(x): calling the module would re-enter this hook. Differences
+        # are taken in fp32 (exact enough for a power) and the powers summed in fp64.
+        reference = F.linear(x, self.linear.weight, self.linear.bias).float()
+        self.signal += float(torch.sum(reference.square(), dtype=torch.float64))
+        for name, module in self.candidates.items():
+            error = module(x).float() - reference
+            self.noise[name] += float(torch.sum(error.square(), dtype=torch.float64))
+        self.num_steps = num_steps
+
+    def sqnr_db(self) -> dict[str, float]:
+        out = {}
+        for name, noise in self.noise.items():
+            if noise == 0.0:
+                out[name] = SQNR_CAP_DB
+            elif self.signal == 0.0:
+                out[name] = -SQNR_CAP_DB
+            else:
+                out[name] = max(-SQNR_CAP_DB, min(SQNR_CAP_DB, 10.0 * math.log10(self.signal / noise)))
+        return out
+
+
+def sensitivity_pass(
+    pipeline: Any, transformer_attr: str, layers: dict[str, LayerSensitivity], forward_loop: ForwardLoop
+) -> None:
+    """Run ``forward_loop(pipeline)`` once with each ``LayerSensitivity`` on its layer's input."""
+    with observing(pipeline, transformer_attr, layers) as tracker:
+        stepped = [
+            m for s in layers.values() for m in s.candidates.values() if getattr(m, "needs_step", False)
+        ]
+        for module in stepped:
+            module.step_tracker = tracker
+        try:
+            forward_loop(pipeline)
+        finally:
+            for module in stepped:
+                module.step_tracker = None
+    for name, sens in layers.items():
+        if sens.num_steps is None:
+            raise ValueError(
+                f"the sensitivity pass saw no input for {name}: the forward loop must run the pipeline"
+            )
+
+
+def choose(sqnr_db: dict[str, float | None], order: tuple[str, ...], floor_db: float) -> str:
+    """The first scheme in ``order`` whose SQNR reaches ``floor_db`` (None: not applicable); else float."""
+    return next((s for s in order if sqnr_db.get(s) is not None and sqnr_db[s] >= floor_db), FLOAT)
+
+
+def candidate_modules(
+    linear: nn.Linear, order: tuple[str, ...], ranges: InputObserver | None
+) -> tuple[dict[str, nn.Module], dict[str, str]]:
+    """(the candidate modules, the reasons of the schemes that cannot represent this layer)."""
+    modules, reasons = {}, {}
+    for scheme in order:
+        try:
+            modules[scheme] = BUILDERS[scheme](linear, ranges)
+        except ValueError as exc:
+            reasons[scheme] = str(exc)
+    return modules, reasons
+
+
+@register_transform(QuantAutoConfig)
+def apply_quant_auto(ctx: StepContext, config: QuantAutoConfig) -> StepResult:
+    model = ctx.transformer
+    layers, kept = block_linears(ctx, config.exclude)
+    if not layers:
+        raise ValueError("quant_auto found no Linear layer to quantize inside the transformer blocks")
+    order = (config.scheme, *config.fallbacks)
+    ranges, range_record, files = {}, None, {}
+    if NEEDS_RANGES & set(order):
+        ranges, range_record = calibrate(ctx, layers, config.calib_samples, config.calib_steps)
+        if "w8a8_timestep" in order:
+            require_every_step(ranges)
+        files = calibration_files(QuantAutoConfig.kind, ranges, range_record)
+
+    first = config.calib_samples if ranges else 0
+    loop, sens_record = resolve_loop(
+        ctx.spec, ctx.forward_loop, config.sensitivity_samples, config.calib_steps, first
+    )
+    sensitivities, not_applicable = {}, {}
+    for name in layers:
+        modules, reasons = candidate_modules(model.get_submodule(name), order, ranges.get(name))
+        sensitivities[name] = LayerSensitivity(model.get_submodule(name), modules)
+        if reasons:
+            not_applicable[name] = reasons
+    sensitivity_pass(ctx.pipeline, ctx.spec.transformer_attr, sensitivities, loop)
+    if sens_record["loop"] == "user":
+        sens_record["steps"] = next(iter(sensitivities.values())).num_steps
+
+    plan, modules = {}, {}
+    for name, sens in sensitivities.items():
+        measured = sens.sqnr_db()
+        sqnr = {s: measured.get(s) for s in order}
+        choice = choose(sqnr, order, config.sqnr_floor_db)
+        plan[name] = {"choice": choice, "sqnr_db": sqnr}
+        if choice != FLOAT:
+            target, module = Target(name, smoothed=False), sens.candidates[choice]
+            replace(model, target, module)
+            modules[name] = manifest_entry(target, module)
+    if any(getattr(m, "needs_step", False) for m in model.modules()):
+        attach_step_tracker(ctx.pipeline, ctx.spec.transformer_attr)
+    below = [n for n, p in plan.items() if p["choice"] == FLOAT]
+    if len(below) == len(layers):
+        warnings.warn(
+            f"quant_auto: no layer reached {config.sqnr_floor_db} dB with {', '.join(order)}; the model stays float",
+            stacklevel=2,
+        )
+    return StepResult(
+        modules=modules,
+        record={
+            "quantized": list(modules),
+            "float": kept + below,
+            "below_floor": below,
+            "order": list(order),
+            "sqnr_floor_db": config.sqnr_floor_db,
+            "counts": {s: sum(p["choice"] == s for p in plan.values()) for s in (*order, FLOAT)},
+            "plan": plan,
+            "not_applicable": not_applicable,
+            "metric": "output SQNR in dB of the layer against the float layer, on the float model's inputs",
+            "calibration": range_record,
+            "sensitivity_data": sens_record,
+        },
+        files=files,
+    )
