@@ -56,6 +56,7 @@ from sdkiln.calibrate.observers import observing
 from sdkiln.configs import RecipeConfig, SmoothQuantConfig
 from sdkiln.errors import RecipeError
 from sdkiln.model_zoo import get_spec
+from sdkiln.model_zoo.fingerprint import weights_hash
 from sdkiln.optimizer import metrics
 from sdkiln.optimizer.calibrated_layers import STATS_FILE
 from sdkiln.optimizer.evaluate import PSNR_CAP_DB, generate, sample_plan
@@ -280,6 +281,7 @@ def _scores(images: np.ndarray, base_images: np.ndarray | None, spec, prompts: l
             "psnr_p5": float(np.percentile(psnr, 5)),
             "psnr_min": float(psnr.min()),
             "ssim": float(metrics.ssim(images, base_images).mean()),
+            "psnr_per_sample": [round(float(p), 3) for p in psnr],
         }
     if spec.metrics is not None:
         out |= spec.metrics(images, prompts)
@@ -308,7 +310,7 @@ def run(
     unknown = sorted(set(methods) - set(METHODS))
     if unknown:
         raise ValueError(f"unknown methods {unknown}; known: {', '.join(METHODS)}")
-    started = time.perf_counter()
+    started, load_at_start = time.perf_counter(), os.getloadavg()
     spec = get_spec(model)
     base = spec.build()
     call = spec.call_kwargs(steps=steps)
@@ -355,6 +357,7 @@ def run(
     return {
         "benchmark": "quantization schemes vs peers (bench/quant.py)",
         "model": spec.name,
+        "model_weights_sha256": weights_hash(float_model),
         "settings": {
             "num_samples": num_samples,
             "steps": steps,
@@ -366,6 +369,7 @@ def run(
             "sqnr": {"samples": sqnr_samples, "steps": captured.steps},
             "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
             "torch_threads": torch.get_num_threads(),
+            "load_average_1_5_15min": {"start": load_at_start, "end": os.getloadavg()},
         },
         "machine": machine(),
         "float": reference,
@@ -426,7 +430,12 @@ def acceptance(reference: dict[str, Any], rows: list[dict[str, Any]]) -> list[di
         if ours not in by or theirs not in by:
             return {"line": line, "result": "not measured"}
         diff = by[ours]["psnr"] - by[theirs]["psnr"]
-        return {"line": line, "value": f"{diff:+.2f} dB", "result": _verdict(diff >= margin)}
+        out = {"line": line, "value": f"{diff:+.2f} dB", "result": _verdict(diff >= margin)}
+        paired = np.subtract(by[ours]["psnr_per_sample"], by[theirs]["psnr_per_sample"])
+        if paired.size > 1:
+            half = 1.96 * paired.std(ddof=1) / math.sqrt(paired.size)
+            out["paired_ci95_db"] = [round(diff - half, 3), round(diff + half, 3)]
+        return out
 
     return [
         accuracy_drop("w8a8-dynamic", 2),
@@ -464,10 +473,11 @@ def markdown(report: dict[str, Any]) -> str:
         cells = [fmt.format(row[k]) if row.get(k) is not None else "-" for k, fmt in cols]
         out.append("| " + " | ".join(cells) + " |")
     out.append("")
-    out += [
-        f"- {a['line']}: **{a['result']}**" + (f" ({a['value']})" if "value" in a else "")
-        for a in report["acceptance"]
-    ]
+    for a in report["acceptance"]:
+        detail = [a["value"]] if "value" in a else []
+        if "paired_ci95_db" in a:
+            detail.append("paired 95% CI [{:+.2f}, {:+.2f}] dB".format(*a["paired_ci95_db"]))
+        out.append(f"- {a['line']}: **{a['result']}**" + (f" ({'; '.join(detail)})" if detail else ""))
     return "\n".join(out)
 
 

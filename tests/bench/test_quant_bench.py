@@ -57,6 +57,8 @@ def test_acceptance_line_is_computed_from_the_rows(report):
     diff = report["methods"][1]["psnr"] - report["methods"][0]["psnr"]
     assert line["value"] == f"{diff:+.2f} dB"
     assert line["result"] == ("pass" if diff >= 1.0 else "FAIL")
+    low, high = line["paired_ci95_db"]
+    assert low <= round(diff, 3) <= high
     # flux-tiny has no class metric: those lines say so instead of passing
     assert lines["w4a16 keeps class accuracy within 5 points of float"]["result"] == "not measured"
 
