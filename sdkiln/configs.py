@@ -39,11 +39,11 @@ class StepConfig:
     order: ClassVar[int] = 50
     transform_module: ClassVar[str] = ""
     prepares: ClassVar[tuple[str, ...]] = ()
+    """For a step that only prepares another (SmoothQuant): the kinds of which one must follow it."""
     quantizes: ClassVar[bool] = False
     """A weight-quantization step. Two of them in one recipe must split the layers with ``exclude``
     (a later step quantizes only the Linears an earlier one left), so recipe names, which carry no
     ``exclude``, combine at most one."""
-    """For a step that only prepares another (SmoothQuant): the kinds of which one must follow it."""
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"kind": self.kind, "version": self.version}
@@ -274,6 +274,54 @@ class QuantAutoConfig(StepConfig):
         if not math.isfinite(self.sqnr_floor_db):
             raise ValueError("sqnr_floor_db must be finite")
         _check_calibration(self)
+
+
+@register_config
+@dataclass
+class CacheAutoConfig(StepConfig):
+    """A static cache schedule searched on measured output error (``sdkiln.optimizer.cache_search``).
+
+    The schedule runs ``actions`` (``skip``, ``partial:F:B``) for at most ``max_reuse`` steps in a row
+    after a full step; the first ``min_full`` steps and the last step are full. The chosen schedule is
+    the cheapest on the measured front whose mean PSNR against the uncached model on the calibration
+    samples is at least ``psnr_floor_db`` and whose 5th percentile is at least ``psnr_p5_floor_db``.
+    ``lambdas`` trade-offs between ``lambda_min`` and ``lambda_max`` (block evaluations per unit of
+    summed relative L2) are solved and confirmed end to end.
+    """
+
+    kind: ClassVar[str] = "cache_auto"
+    order: ClassVar[int] = 50
+    transform_module: ClassVar[str] = "sdkiln.optimizer.cache_search"
+    actions: tuple[str, ...] = ("skip", "partial:1:1")
+    max_reuse: int = 3
+    min_full: int = 1
+    psnr_floor_db: float = 30.0
+    psnr_p5_floor_db: float = 25.0
+    calib_samples: int = 4
+    eval_samples: int = 8
+    lambdas: int = 10
+    lambda_min: float = 30.0
+    lambda_max: float = 30000.0
+    steps: int | None = None
+    """Denoising steps the schedule is searched for; None for the family's deployment default."""
+
+    def __post_init__(self) -> None:
+        from sdkiln.runtime.cache.schedule import Action  # the runtime owns the action grammar
+
+        self.actions = tuple(str(a) for a in self.actions)
+        for a in self.actions:
+            if Action.parse(a).kind == "full":
+                raise ValueError(
+                    "cache_auto actions are the reuse actions (skip, partial:F:B); full is implied"
+                )
+        if self.max_reuse < 1 or self.min_full < 1:
+            raise ValueError("max_reuse and min_full must be >= 1")
+        if self.calib_samples < 1 or self.eval_samples < 1:
+            raise ValueError("calib_samples and eval_samples must be >= 1")
+        if self.lambdas < 2 or not 0 < self.lambda_min < self.lambda_max:
+            raise ValueError("need lambdas >= 2 and 0 < lambda_min < lambda_max")
+        if self.steps is not None and self.steps < 3:
+            raise ValueError("a cache schedule needs at least 3 steps")
 
 
 @dataclass

@@ -71,6 +71,8 @@ def _write_extra(tmp: Path, extra_files: dict[str, Any]) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         if rel.endswith(".safetensors"):
             save_file({k: v.detach().cpu().contiguous() for k, v in content.items()}, str(path))
+        elif isinstance(content, bytes):  # a rendered figure (.png)
+            path.write_bytes(content)
         else:
             _write_json(path, content)
 
@@ -87,7 +89,8 @@ def write_package(
     """Write ``pipeline`` (already optimized) with ``manifest`` fields and the quality report.
 
     ``manifest`` carries model/recipe/modules; this function adds format, versions, time and files.
-    ``extra_files`` maps package paths to tensors (``.safetensors``) or JSON objects (``.json``).
+    ``extra_files`` maps package paths to tensors (``.safetensors``), JSON objects (``.json``) or
+    PNG bytes (``.png``).
     """
     target = Path(out_dir)
     if target.exists() and not force:

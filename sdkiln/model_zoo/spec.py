@@ -71,9 +71,9 @@ class ModelSpec:
     """Held-out prompts for the quality report."""
     calibration_prompts: tuple[str, ...] = ("a photo of a dog",)
     metrics: Callable[[Any, list[str]], dict[str, float]] | None = None
+    """Model-specific metrics from generated images [N,H,W,C] in [0,1] and their prompts."""
     smooth_folds: tuple[SmoothFold, ...] = ()
     """Where SmoothQuant folds its factor into the model; every other smoothed layer keeps an input multiplier."""
-    """Model-specific metrics from generated images [N,H,W,C] in [0,1] and their prompts."""
 
     def is_float_layer(self, name: str) -> bool:
         return any(fnmatch.fnmatchcase(name, pattern) for pattern in self.float_layers)

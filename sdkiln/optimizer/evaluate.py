@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 
 from sdkiln.model_zoo import ModelSpec
 from sdkiln.optimizer import metrics
+from sdkiln.runtime.cache import cache_runner
 
 PSNR_CAP_DB = 100.0
 """Identical samples have infinite PSNR; reports cap it here so the JSON stays standard."""
@@ -78,6 +79,9 @@ def compare(
     call = spec.call_kwargs(steps=steps, guidance=guidance)
     prompts, seeds = sample_plan(spec, num_samples, seed)
     base_imgs, base_lat = generate(base, call, prompts, seeds, batch_size, "original")
+    runner = cache_runner(getattr(optimized, spec.transformer_attr))
+    if runner is not None:
+        runner.reset_counters()
     opt_imgs, opt_lat = generate(optimized, call, prompts, seeds, batch_size, "optimized")
     psnr = np.minimum(metrics.psnr(opt_imgs, base_imgs), PSNR_CAP_DB)
     report: dict[str, Any] = {
@@ -94,6 +98,10 @@ def compare(
         "prompts": sorted(set(prompts)),
         "psnr_per_sample": [round(float(p), 3) for p in psnr],
     }
+    if runner is not None:  # transformer block evaluations with the schedule over those without
+        report["block_evaluations_ratio"] = runner.block_evaluations / (
+            runner.transformer_calls * runner.num_blocks
+        )
     if spec.metrics is not None:
         ours, theirs = spec.metrics(opt_imgs, prompts), spec.metrics(base_imgs, prompts)
         report.update(ours)

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from sdkiln.configs import (
+    CacheAutoConfig,
     FP8DynamicConfig,
     QuantAutoConfig,
     RecipeConfig,
@@ -30,6 +31,7 @@ NAMED_RECIPES: dict[str, Callable[[], list[StepConfig]]] = {
     "w8a8-timestep": lambda: [W8A8TimestepConfig()],
     "smoothquant": lambda: [SmoothQuantConfig()],
     "quant-auto": lambda: [QuantAutoConfig()],
+    "cache-auto": lambda: [CacheAutoConfig()],
 }
 ALIASES = {"default": "quant-auto"}
 

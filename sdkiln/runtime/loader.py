@@ -3,7 +3,9 @@
 The transformer is built on the meta device from its config, the manifest's quantized layers are
 swapped in, and the safetensors are loaded with ``assign=True`` (gpt-fast's convert-for-runtime
 pattern): no float copy of the weights is ever materialized. Other components load with their own
-``from_pretrained`` from the package's safetensors/JSON files.
+``from_pretrained`` from the package's safetensors/JSON files. A package with a cache schedule
+(``schedules/cache_schedule.json``) gets it attached after its fingerprint matched the loaded
+transformer's.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from torch import nn
 
 from sdkiln.errors import PackageError
 from sdkiln.kernels.platform import resolve_device
+from sdkiln.model_zoo.fingerprint import fingerprint
+from sdkiln.runtime.cache import SCHEDULE_FILE, CacheSchedule, attach_cache
 from sdkiln.runtime.package import TRANSFORMER_WEIGHTS, Package, open_package
 from sdkiln.runtime.quant import SCHEME_MODULES, quant_module
 from sdkiln.runtime.quant.smooth import SmoothedLinear
@@ -126,4 +130,8 @@ def load(path: str | os.PathLike, device: str | torch.device = "auto"):
     pipe.sdkiln_manifest = pkg.manifest
     if needs_step_tracker(transformer):
         attach_step_tracker(pipe, info["transformer_attr"])
+    if SCHEDULE_FILE in pkg.manifest["files"]:
+        schedule = CacheSchedule.from_dict(pkg.read_json(SCHEDULE_FILE))
+        schedule.check_fingerprint(fingerprint(transformer))
+        attach_cache(pipe, schedule, info["transformer_attr"])
     return pipe.to(resolve_device(device))

@@ -21,7 +21,7 @@ MANIFEST = "manifest.json"
 TRANSFORMER_WEIGHTS = "diffusion_pytorch_model.safetensors"
 QUALITY_REPORT = "eval/quality.json"
 # Only these kinds of file may be in a package: no pickles, no code.
-ALLOWED_SUFFIXES = (".json", ".safetensors", ".txt")
+ALLOWED_SUFFIXES = (".json", ".safetensors", ".txt", ".png")
 
 
 def sha256_file(path: Path) -> str:

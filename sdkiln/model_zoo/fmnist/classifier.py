@@ -27,10 +27,11 @@ CLASSIFIER_CONFIG = WEIGHTS_DIR / "classifier.json"
 
 @dataclass(frozen=True)
 class ClassifierConfig:
-    channels: tuple[int, int, int] = (32, 64, 128)
+    channels: tuple[int, int, int] = (16, 32, 64)
+    convs_per_stage: int = 2
     feature_dim: int = 64
     num_classes: int = 10
-    version: int = 1
+    version: int = 2
 
     @classmethod
     def from_dict(cls, d: dict) -> ClassifierConfig:
@@ -42,9 +43,9 @@ class ClassifierConfig:
 
 
 class FmnistClassifier(nn.Module):
-    """Three conv-BN-ReLU-pool stages (canvas 32 -> 16 -> 8 -> 4), one conv each to train in
-    minutes on CPU, and a two-layer head; the first head layer's ReLU
-    output is the feature vector used for FD-FMNIST."""
+    """Three stages (canvas 32 -> 16 -> 8 -> 4) of ``convs_per_stage`` conv-BN-ReLU then a max-pool,
+    and a two-layer head; the first head layer's ReLU output is the feature vector used for
+    FD-FMNIST."""
 
     def __init__(self, config: ClassifierConfig = ClassifierConfig()):
         super().__init__()
@@ -52,13 +53,10 @@ class FmnistClassifier(nn.Module):
         layers: list[nn.Module] = []
         c_in = 1
         for c in config.channels:
-            layers += [
-                nn.Conv2d(c_in, c, 3, padding=1),
-                nn.BatchNorm2d(c),
-                nn.ReLU(),
-                nn.MaxPool2d(2),
-            ]
-            c_in = c
+            for _ in range(config.convs_per_stage):
+                layers += [nn.Conv2d(c_in, c, 3, padding=1), nn.BatchNorm2d(c), nn.ReLU()]
+                c_in = c
+            layers.append(nn.MaxPool2d(2))
         self.trunk = nn.Sequential(*layers)
         side = CANVAS_SIZE // 2 ** len(config.channels)
         self.feature = nn.Sequential(

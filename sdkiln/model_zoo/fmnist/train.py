@@ -86,6 +86,9 @@ def main(argv: list[str] | None = None) -> None:
         "every N steps; 0 disables; needs the trained classifier",
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--compile", action="store_true", help="train through torch.compile (faster on CPU after ~1 min)"
+    )
     parser.add_argument("--out", type=Path, default=TRANSFORMER_DIR)
     args = parser.parse_args(argv)
 
@@ -100,6 +103,7 @@ def main(argv: list[str] | None = None) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0, betas=(0.9, 0.99))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / args.warmup))
     img_ids, txt_ids = image_ids(), text_ids(captions.states.shape[1])
+    forward = torch.compile(model) if args.compile else model
     print(f"transformer: {n_params:,} params; {args.steps} steps of batch {args.batch_size}")
 
     log = {
@@ -121,7 +125,7 @@ def main(argv: list[str] | None = None) -> None:
         noise = torch.randn(x0.shape, generator=generator)
         t = torch.sigmoid(torch.randn(len(idx), generator=generator))
         x_t = (1 - t[:, None, None]) * x0 + t[:, None, None] * noise
-        pred = model(
+        pred = forward(
             hidden_states=x_t,
             encoder_hidden_states=states,
             pooled_projections=pooled,

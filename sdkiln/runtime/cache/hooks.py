@@ -1,0 +1,315 @@
+"""Run a cache schedule: named, removable hooks on the unmodified diffusers transformer blocks.
+
+``attach_cache(pipeline, schedule)`` puts one hook on every block of the schedule's block layout
+(``sdkiln_cache_block``) and one on the transformer (``sdkiln_cache``). Before each transformer
+call the model hook reads the denoising step from the pipeline's scheduler (``StepTracker``, never a
+call counter), maps the schedule to the run's sigmas at a run's first step, and picks the action of
+the step for the call's branch. Each block hook then either runs its block or, for a block the
+action does not compute, returns what the cached residual gives:
+
+* the first block of the reused span returns its input plus the span's residual (``out - in``
+  recorded at the last ``full`` step, or extrapolated from the last two to first order);
+* the other reused blocks return their input unchanged, in the block's output order.
+
+Branches: a pipeline that wraps its calls in ``transformer.cache_context(name)`` (diffusers'
+FLUX, Wan, ... pipelines: ``"cond"``/``"uncond"``) gets one state per context name. Without a
+context, the calls of one step are told apart by their order within the step (``"batched"`` for
+the first, ``"call1"``... after): a pipeline that batches both CFG branches into one call keeps
+each sample's residual in its own batch row, so the branches never mix either way.
+
+Buffers are freed after the last step of a run and when a run starts again at step 0. A static
+schedule needs no host sync: every decision is a Python lookup by the step index.
+"""
+
+from __future__ import annotations
+
+import inspect
+import weakref
+from typing import Any
+
+import torch
+from diffusers.hooks import HookRegistry, ModelHook
+from diffusers.hooks.hooks import BaseState, StateManager
+from torch import nn
+
+from sdkiln.errors import StepError
+from sdkiln.runtime.cache.schedule import BATCHED, FULL, Action, CacheSchedule
+from sdkiln.runtime.steps import attach_step_tracker, detach_step_tracker, needs_step_tracker, step_tracker
+
+MODEL_HOOK = "sdkiln_cache"
+BLOCK_HOOK = "sdkiln_cache_block"
+
+Named = dict[str, torch.Tensor]
+
+
+class BranchState(BaseState):
+    """The cached residuals of one branch: span -> up to two ``(step, residual)`` from full steps."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self, *args, **kwargs) -> None:
+        self.step: int | None = None
+        self.span_inputs: dict[tuple[int, int], Named] = {}
+        self.residuals: dict[tuple[int, int], list[tuple[int, Named]]] = {}
+
+
+class CacheRunner:
+    """Shared by the hooks of one transformer: the schedule, the current call, the counters."""
+
+    def __init__(self, pipeline: Any, transformer: nn.Module, schedule: CacheSchedule):
+        self._pipeline = weakref.ref(pipeline)
+        self.transformer = transformer
+        self.schedule = schedule
+        self._run_schedule = schedule
+        self.blocks: list[tuple[nn.Module, Any]] = []
+        for layout in schedule.blocks:
+            blocks = getattr(transformer, layout.attr, None)
+            if blocks is None or len(blocks) != layout.count:
+                found = "none" if blocks is None else len(blocks)
+                raise StepError(
+                    f"the cache schedule expects {layout.count} blocks in transformer.{layout.attr}, found {found}"
+                )
+            self.blocks += [(block, layout) for block in blocks]
+        self.num_blocks = len(self.blocks)
+        self.spans = self._spans(schedule)
+        self.block_evaluations = 0
+        self.transformer_calls = 0
+        self.owns_tracker = False
+        """attach_cache attached the step tracker, so detach_cache removes it (unless a module needs it)."""
+        self._action: Action = FULL
+        self._state: BranchState | None = None
+        self._step = 0
+
+    def _spans(self, schedule: CacheSchedule) -> set[tuple[int, int]]:
+        spans = {
+            a.cached_span(self.num_blocks) for acts in schedule.actions.values() for a in acts if a != FULL
+        }
+        for start, end in spans:
+            names_in = set(self.blocks[start][1].inputs)
+            names_out = set(self.blocks[end - 1][1].outputs)
+            if names_in != names_out:
+                raise StepError(
+                    f"blocks {start}..{end - 1} take {sorted(names_in)} but return {sorted(names_out)}; "
+                    "their residual cannot be reused"
+                )
+        return spans
+
+    def reset_counters(self) -> None:
+        self.block_evaluations = 0
+        self.transformer_calls = 0
+
+    # --- one transformer call -------------------------------------------------------------------
+
+    def begin_call(self, step: int, num_steps: int, state: BranchState, branch: str) -> None:
+        if step == 0 or state.step is None or step < state.step:
+            state.reset()
+            self._run_schedule = self._schedule_for_run(num_steps)
+        state.step = step
+        self._state, self._step = state, step
+        self._action = self._run_schedule.action(step, branch)
+        self.transformer_calls += 1
+
+    def end_call(self, num_steps: int) -> None:
+        if self._step == num_steps - 1 and self._state is not None:
+            self._state.reset()  # the run is over: free its buffers
+        self._state = None
+
+    def _schedule_for_run(self, num_steps: int) -> CacheSchedule:
+        pipeline = self._pipeline()
+        sigmas = getattr(getattr(pipeline, "scheduler", None), "sigmas", None)
+        if sigmas is None:
+            if num_steps != self.schedule.num_steps:
+                raise StepError(
+                    f"the cache schedule has {self.schedule.num_steps} steps, this run {num_steps}, and its "
+                    "scheduler has no sigmas to map the schedule by"
+                )
+            return self.schedule
+        run_sigmas = [float(s) for s in sigmas.detach().cpu().flatten()[:num_steps]]
+        try:
+            return self.schedule.for_sigmas(run_sigmas)
+        except ValueError as exc:
+            raise StepError(f"cannot run the cache schedule on this run's {num_steps} steps: {exc}") from exc
+
+    # --- one block ------------------------------------------------------------------------------
+
+    def block_forward(self, position: int, layout, forward, args, kwargs):
+        action, state = self._action, self._state
+        if state is None:  # called outside a transformer forward (a block on its own)
+            return forward(*args, **kwargs)
+        inputs = _named_inputs(forward, layout.inputs, args, kwargs)
+        if action.computes(position, self.num_blocks):
+            if action == FULL:
+                for span in self.spans:
+                    if span[0] == position:
+                        state.span_inputs[span] = inputs
+            output = forward(*args, **kwargs)
+            self.block_evaluations += 1
+            if action == FULL:
+                outputs = _named_outputs(output, layout.outputs)
+                for span in self.spans:
+                    if span[1] - 1 == position:
+                        before = state.span_inputs.pop(span)
+                        residual = {k: _difference(outputs[k], before[k]) for k in before}
+                        state.residuals[span] = (state.residuals.get(span, []) + [(self._step, residual)])[
+                            -2:
+                        ]
+            return output
+        start, end = action.cached_span(self.num_blocks)
+        if position == start:
+            residual = self._residual((start, end), action, state)
+            inputs = {k: v if residual[k] is None else v + residual[k] for k, v in inputs.items()}
+        values = tuple(inputs[name] for name in layout.outputs)
+        return values if len(values) > 1 else values[0]
+
+    def _residual(self, span: tuple[int, int], action: Action, state: BranchState) -> Named:
+        history = state.residuals.get(span)
+        if not history:
+            raise StepError(
+                f"cache schedule step {self._step} reuses blocks {span[0]}..{span[1] - 1}, but no full step of "
+                "this run recorded them (a run must start at step 0)"
+            )
+        step1, r1 = history[-1]
+        if not action.extrapolate:
+            return r1
+        if len(history) < 2:
+            raise StepError(
+                f"cache schedule step {self._step} extrapolates but only one full step ran before it"
+            )
+        step0, r0 = history[-2]
+        w = (self._step - step1) / (step1 - step0)
+        return {k: None if r1[k] is None else r1[k] + (r1[k] - r0[k]) * w for k in r1}
+
+
+def _difference(out: torch.Tensor | None, before: torch.Tensor) -> torch.Tensor | None:
+    """A stream's residual; None where the span's last block ends the stream (SD3's last block
+    returns no text states): a reused span then passes that stream through, which nothing reads."""
+    return None if out is None else out - before
+
+
+def _parameter_names(forward) -> list[str]:
+    return [
+        p.name
+        for p in inspect.signature(forward).parameters.values()
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
+
+
+def _named_inputs(forward, names: tuple[str, ...], args, kwargs) -> Named:
+    out = {}
+    positional = _parameter_names(forward) if args else []
+    for name in names:
+        if name in kwargs:
+            out[name] = kwargs[name]
+        elif name in positional and positional.index(name) < len(args):
+            out[name] = args[positional.index(name)]
+        else:
+            raise StepError(f"the cache hook found no {name!r} among the block's arguments")
+    return out
+
+
+def _named_outputs(output, names: tuple[str, ...]) -> Named:
+    values = output if isinstance(output, tuple) else (output,)
+    if len(values) != len(names):
+        raise StepError(f"a block returned {len(values)} values, its layout names {len(names)}: {names}")
+    return dict(zip(names, values, strict=True))
+
+
+class _ModelHook(ModelHook):
+    _is_stateful = True
+
+    def __init__(self, runner: CacheRunner, tracker):
+        super().__init__()
+        self.runner = runner
+        self.tracker = tracker
+        self.contexts = StateManager(BranchState)
+        """Per ``cache_context`` name; diffusers sets the context on every stateful hook's manager."""
+        self.plain: dict[str, BranchState] = {}
+        self._last_step: int | None = None
+        self._calls_at_step = 0
+
+    def pre_forward(self, module, *args, **kwargs):
+        self.tracker.update()
+        step, num_steps = self.tracker.step, self.tracker.num_steps
+        if self.contexts._context is not None:
+            branch = self.contexts._context.name
+            state = self.contexts.get_state()
+        else:
+            self._calls_at_step = self._calls_at_step + 1 if step == self._last_step else 0
+            branch = BATCHED if self._calls_at_step == 0 else f"call{self._calls_at_step}"
+            state = self.plain.setdefault(branch, BranchState())
+        self._last_step = step
+        self.runner.begin_call(step, num_steps, state, branch)
+        return args, kwargs
+
+    def post_forward(self, module, output):
+        self.runner.end_call(self.tracker.num_steps)
+        return output
+
+    def reset_state(self, module):
+        self.contexts.reset()
+        self.plain.clear()
+        self._last_step = None
+        return module
+
+
+class _BlockHook(ModelHook):
+    def __init__(self, runner: CacheRunner, position: int, layout):
+        super().__init__()
+        self.runner, self.position, self.layout = runner, position, layout
+
+    def new_forward(self, module, *args, **kwargs):
+        return self.runner.block_forward(
+            self.position, self.layout, self.fn_ref.original_forward, args, kwargs
+        )
+
+
+def attach_cache(
+    pipeline: Any, schedule: CacheSchedule, transformer_attr: str = "transformer"
+) -> CacheRunner:
+    """Make ``pipeline``'s transformer follow ``schedule``; returns the runner (its counters:
+    ``block_evaluations``, ``transformer_calls``). ``detach_cache`` undoes it."""
+    transformer = getattr(pipeline, transformer_attr)
+    if cache_runner(transformer) is not None:
+        raise StepError("this transformer already follows a cache schedule; detach_cache(transformer) first")
+    runner = CacheRunner(pipeline, transformer, schedule)
+    runner.owns_tracker = step_tracker(transformer) is None
+    tracker = attach_step_tracker(pipeline, transformer_attr)
+    for position, (block, layout) in enumerate(runner.blocks):
+        HookRegistry.check_if_exists_or_initialize(block).register_hook(
+            _BlockHook(runner, position, layout), BLOCK_HOOK
+        )
+    registry = HookRegistry.check_if_exists_or_initialize(transformer)
+    registry.register_hook(_ModelHook(runner, tracker), MODEL_HOOK)
+    registry.invalidate_child_registries_cache() if hasattr(
+        registry, "invalidate_child_registries_cache"
+    ) else None
+    return runner
+
+
+def cache_runner(transformer: nn.Module) -> CacheRunner | None:
+    registry = getattr(transformer, "_diffusers_hook", None)
+    hook = None if registry is None else registry.get_hook(MODEL_HOOK)
+    return None if hook is None else hook.runner
+
+
+def reset_cache(transformer: nn.Module) -> None:
+    """Drop every cached tensor of ``transformer``'s cache runner (if it has one): the next call
+    starts from an empty cache whatever its step."""
+    runner = cache_runner(transformer)
+    if runner is not None:
+        transformer._diffusers_hook.get_hook(MODEL_HOOK).reset_state(transformer)
+
+
+def detach_cache(transformer: nn.Module) -> None:
+    """Remove every cache hook from ``transformer`` and its blocks and drop the cached tensors."""
+    runner = cache_runner(transformer)
+    if runner is None:
+        return
+    hook = transformer._diffusers_hook.get_hook(MODEL_HOOK)
+    hook.reset_state(transformer)
+    transformer._diffusers_hook.remove_hook(MODEL_HOOK, recurse=False)
+    for block, _ in runner.blocks:
+        block._diffusers_hook.remove_hook(BLOCK_HOOK, recurse=False)
+    if runner.owns_tracker and not needs_step_tracker(transformer):
+        detach_step_tracker(transformer)
