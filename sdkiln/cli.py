@@ -26,6 +26,10 @@ def _quality_lines(q: dict[str, Any]) -> list[str]:
         )
     if "fd_fmnist" in q:
         lines.append(f"  FD-FMNIST: original {q['base_fd_fmnist']:.2f}  optimized {q['fd_fmnist']:.2f}")
+    if "block_evaluations_ratio" in q:
+        lines.append(
+            f"  cache schedule: {q['block_evaluations_ratio']:.3f}x the block evaluations of the uncached run"
+        )
     return lines
 
 
@@ -143,6 +147,12 @@ def cmd_inspect(args) -> int:
         print(
             f"quantized layers: {summary['quantized_bytes']:,} bytes vs {summary['quantized_float_bytes']:,} "
             f"in fp32 ({summary['quantized_ratio']:.3f}x)"
+        )
+    if summary.get("cache"):
+        c = summary["cache"]
+        print(
+            f"cache schedule: {c['num_steps']} steps, {c['block_evaluations_ratio']:.3f}x block evaluations; "
+            f"actions {' '.join(c['actions'])}"
         )
     print(f"package size: {summary['package_bytes']:,} bytes")
     quality = pkg.read_json("eval/quality.json")

@@ -6,6 +6,7 @@ from typing import Any
 
 from safetensors import safe_open
 
+from sdkiln.runtime.cache.schedule import SCHEDULE_FILE, CacheSchedule
 from sdkiln.runtime.package import TRANSFORMER_WEIGHTS, Package
 
 _ITEMSIZE = {"I8": 1, "U8": 1, "F16": 2, "BF16": 2, "F32": 4, "F64": 8, "I32": 4, "I64": 8, "F8_E4M3": 1}
@@ -44,6 +45,15 @@ def summarize(pkg: Package) -> dict[str, Any]:
     schemes: dict[str, int] = {}
     for info in modules.values():
         schemes[info["scheme"]] = schemes.get(info["scheme"], 0) + 1
+    cache = None
+    if SCHEDULE_FILE in m["files"]:
+        schedule = CacheSchedule.from_dict(pkg.read_json(SCHEDULE_FILE))
+        cache = {
+            "num_steps": schedule.num_steps,
+            "block_evaluations_ratio": schedule.block_evaluations_ratio(),
+            "actions": [str(a) for a in next(iter(schedule.actions.values()))],
+            "expected": schedule.expected,
+        }
     return {
         "recipe": m["recipe"]["name"],
         "steps": [s["config"]["kind"] for s in m["recipe"]["steps"]],
@@ -56,6 +66,7 @@ def summarize(pkg: Package) -> dict[str, Any]:
         "quantized_ratio": (qbytes / fbytes) if fbytes else None,
         "transformer_bytes": total,
         "package_bytes": sum(f["size"] for f in m["files"].values()),
+        "cache": cache,
     }
 
 

@@ -16,6 +16,8 @@ from sdkiln.optimizer.evaluate import compare
 from sdkiln.optimizer.registry import StepContext
 from sdkiln.runtime import loader
 from sdkiln.runtime.cache import FULL, SCHEDULE_FILE, Action, cache_runner
+from sdkiln.runtime.package import open_package
+from sdkiln.runtime.summary import summarize
 
 STEPS = 6
 
@@ -115,6 +117,9 @@ def test_cache_auto_writes_a_schedule_the_loaded_package_follows(flux, tmp_path,
             prompt="a photo of a dog", generator=torch.Generator().manual_seed(5), **call
         ).images
     assert torch.equal(a, b)
+
+    summary = summarize(open_package(tmp_path / "pkg"))
+    assert summary["cache"]["actions"] == record["actions"]
 
     report, _, _ = compare(pipe, result.pipeline, spec, 2, steps=STEPS)
     assert report["block_evaluations_ratio"] == pytest.approx(record["block_evaluations_ratio"])
