@@ -157,6 +157,16 @@ class Search:
         }
 
 
+def fixed_interval(num_steps: int, first: int, every: int, action: Action | None = None) -> list[Action]:
+    """The FORA-style baseline: steps ``0 .. first-1`` full, then every ``every``-th step full, the
+    last step full, the others ``action`` (default ``skip``)."""
+    reuse = action or Action("skip")
+    return [
+        FULL if s < first or (s - first) % every == 0 or s == num_steps - 1 else reuse
+        for s in range(num_steps)
+    ]
+
+
 def _pick(front: list[dict[str, Any]], config: CacheAutoConfig) -> dict[str, Any]:
     ok = [
         p for p in front if p["psnr_mean"] >= config.psnr_floor_db and p["psnr_p5"] >= config.psnr_p5_floor_db

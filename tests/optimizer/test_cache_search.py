@@ -11,7 +11,7 @@ from sdkiln.calibrate.trajectories import Trajectories
 from sdkiln.configs import CacheAutoConfig, RecipeConfig
 from sdkiln.errors import PackageError
 from sdkiln.model_zoo import get_spec
-from sdkiln.optimizer.cache_search import Search, Segment
+from sdkiln.optimizer.cache_search import Search, Segment, fixed_interval
 from sdkiln.optimizer.evaluate import compare
 from sdkiln.optimizer.registry import StepContext
 from sdkiln.runtime import loader
@@ -127,3 +127,8 @@ def test_cache_auto_writes_a_schedule_the_loaded_package_follows(flux, tmp_path,
     monkeypatch.setattr(loader, "fingerprint", lambda t: {"config_hash": "x", "weights_hash": "y"})
     with pytest.raises(PackageError, match="another model"):
         sdkiln.load(tmp_path / "pkg", device="cpu")
+
+
+def test_fixed_interval_baseline():
+    acts = [str(a) for a in fixed_interval(10, first=3, every=3)]
+    assert acts == ["full"] * 4 + ["skip", "skip", "full", "skip", "skip", "full"]

@@ -147,15 +147,20 @@ class FmnistFluxPipeline(DiffusionPipeline):
             for i, t in enumerate(timesteps):
                 model_input = torch.cat([latents, latents]) if do_cfg else latents
                 timestep = (t / 1000).expand(model_input.shape[0]).to(latents.dtype)
-                noise_pred = self.transformer(
-                    hidden_states=model_input,
-                    timestep=timestep,
-                    pooled_projections=pooled,
-                    encoder_hidden_states=states,
-                    txt_ids=txt_ids,
-                    img_ids=img_ids,
-                    return_dict=False,
-                )[0]
+                # one context for the batched CFG call, so diffusers' cache hooks (and sdkiln's) key
+                # their state per call type and know the step
+                with self.transformer.cache_context(
+                    "cond_uncond" if do_cfg else "cond", step_index=i, num_inference_steps=len(timesteps)
+                ):
+                    noise_pred = self.transformer(
+                        hidden_states=model_input,
+                        timestep=timestep,
+                        pooled_projections=pooled,
+                        encoder_hidden_states=states,
+                        txt_ids=txt_ids,
+                        img_ids=img_ids,
+                        return_dict=False,
+                    )[0]
                 if do_cfg:
                     cond, uncond = noise_pred.chunk(2)
                     noise_pred = uncond + guidance_scale * (cond - uncond)
