@@ -281,9 +281,8 @@ def attach_cache(
         )
     registry = HookRegistry.check_if_exists_or_initialize(transformer)
     registry.register_hook(_ModelHook(runner, tracker), MODEL_HOOK)
-    registry.invalidate_child_registries_cache() if hasattr(
-        registry, "invalidate_child_registries_cache"
-    ) else None
+    if hasattr(registry, "invalidate_child_registries_cache"):  # so cache_context finds the block hooks
+        registry.invalidate_child_registries_cache()
     return runner
 
 
