@@ -34,3 +34,14 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def flux_tiny():
+    """``(spec, pipeline)`` of the tiny random-weight FluxPipeline, progress bars off; one per module."""
+    from sdkiln.model_zoo import get_spec
+
+    spec = get_spec("flux-tiny")
+    pipe = spec.build()
+    pipe.set_progress_bar_config(disable=True)
+    return spec, pipe

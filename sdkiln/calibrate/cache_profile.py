@@ -34,6 +34,12 @@ from sdkiln.runtime.steps import attach_step_tracker, detach_step_tracker, step_
 PROFILE_FILE = "calibration/cache_profile.json"
 HEATMAP_FILE = "calibration/cache_profile.png"
 STREAM = "hidden_states"
+METRIC_NOTES = (
+    "per block, against the previous step of the same branch: rel_l1 = |r_s - r_(s-1)|_1 / |r_(s-1)|_1 and "
+    "cosine of the residual r = out - in (image stream), norm_ratio = |r_s|_2 / |in_s|_2; per step: "
+    "first_block_change (block 0's rel_l1), input_change and output_change (rel L1 of the stack input "
+    "and of the transformer output)"
+)
 
 
 def _rel_l1(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -113,7 +119,7 @@ def profile(traj: Trajectories, layout: list[BlockLayout]) -> dict[str, Any]:
         "samples": len(traj.prompts),
         "prompts": traj.prompts,
         "seeds": traj.seeds,
-        "metric_notes": __doc__.split("\n\n")[1].strip(),
+        "metric_notes": METRIC_NOTES,
         "branches": dict(rows),
     }
 

@@ -28,8 +28,7 @@ STUB_HOOK = "sdkiln_replay_stub"
 
 
 class _Stop(Exception):
-    def __init__(self, latents: torch.Tensor):
-        self.latents = latents
+    """Raised from the step callback to end a partial run after its last step."""
 
 
 class _ReplayStub(ModelHook):
@@ -70,23 +69,22 @@ class Trajectories:
         return [torch.Generator("cpu").manual_seed(s) for s in self.seeds]
 
     @torch.inference_mode()
-    def _call(self, callback) -> torch.Tensor:
+    def _call(self, callback) -> None:
+        """One pipeline call over the plan; ``callback`` records what it needs and may stop the run."""
         self.pipeline.set_progress_bar_config(disable=True)
         call = dict(self.call)
         if "negative_prompt" in call:
             call["negative_prompt"] = [call["negative_prompt"]] * len(self.prompts)
         try:
-            out = self.pipeline(
+            self.pipeline(
                 prompt=self.prompts,
                 generator=self._generators(),
                 callback_on_step_end=callback,
                 callback_on_step_end_tensor_inputs=["latents"],
                 **call,
             )
-        except _Stop as stop:
-            return stop.latents
-        images = out.images if hasattr(out, "images") else out[0]
-        return images.float().cpu()
+        except _Stop:
+            pass
 
     def reference(self) -> list[torch.Tensor | None]:
         """The uncached run's latents (fp32, CPU): entry t for t in 1..T holds the latents before step
@@ -132,7 +130,7 @@ class Trajectories:
             if step >= start:
                 after.append(latents.detach().float().cpu().clone())
             if step == stop:
-                raise _Stop(latents)
+                raise _Stop
             return kwargs
 
         reset_cache(self.transformer)
