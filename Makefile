@@ -12,7 +12,7 @@ export OMP_NUM_THREADS ?= 1
 export HF_HUB_OFFLINE := 1
 export TORCH_DEVICE_BACKEND_AUTOLOAD := 0
 
-.PHONY: setup setup-test setup-bench demo test test-all lint dataset bench-quant clean
+.PHONY: setup setup-test setup-bench demo test test-all lint dataset bench-quant bench-cache clean
 
 $(PY):
 	@if $(PYTHON) -c "import torch" >/dev/null 2>&1; then \
@@ -77,6 +77,12 @@ lint: setup-test
 # (about 20 minutes on 2 cores): bench/results/quant_fmnist.json and the table in docs/benchmarks.md.
 bench-quant: setup-bench
 	$(PY) bench/quant.py
+
+# Our cache schedules against diffusers' cache hooks, cache-dit's DBCache and fixed-interval schedules
+# on the embedded model at 28 and 50 steps (about 70 minutes on 2 cores): bench/results/cache_fmnist.json
+# and docs/img/cache_pareto.png.
+bench-cache: setup-bench
+	$(PY) bench/cache.py
 
 clean:
 	rm -rf build .pytest_cache

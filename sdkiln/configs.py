@@ -157,7 +157,9 @@ class W8A8StaticConfig(StepConfig):
 class W8A8TimestepConfig(StepConfig):
     """W8A8 with static activation parameters per denoising step, dynamic for the first k steps.
 
-    k is searched over ``dynamic_steps`` by final-output error on the calibration prompts.
+    k is searched over ``dynamic_steps`` by final-output error on the calibration prompts. Each
+    step's activation range is the union of the observed ranges of the steps within ``step_window``
+    of it (0: its own range only), which keeps a few calibration samples from clipping the next.
     """
 
     kind: ClassVar[str] = "w8a8_timestep"
@@ -166,6 +168,7 @@ class W8A8TimestepConfig(StepConfig):
     transform_module: ClassVar[str] = "sdkiln.optimizer.w8a8_timestep"
     exclude: tuple[str, ...] = ()
     dynamic_steps: tuple[int, ...] = (0, 1, 2, 4, 8)
+    step_window: int = 0
     calib_samples: int = 8
     calib_steps: int | None = None
 
@@ -174,6 +177,8 @@ class W8A8TimestepConfig(StepConfig):
         self.dynamic_steps = tuple(int(k) for k in self.dynamic_steps)
         if not self.dynamic_steps or min(self.dynamic_steps) < 0:
             raise ValueError("dynamic_steps must be a non-empty list of step counts >= 0")
+        if self.step_window < 0:
+            raise ValueError("step_window must be >= 0")
         _check_calibration(self)
 
 
@@ -282,26 +287,28 @@ class CacheAutoConfig(StepConfig):
     """A static cache schedule searched on measured output error (``sdkiln.optimizer.cache_search``).
 
     The schedule runs ``actions`` (``skip``, ``partial:F:B``) for at most ``max_reuse`` steps in a row
-    after a full step; the first ``min_full`` steps and the last step are full. The chosen schedule is
-    the cheapest on the measured front whose mean PSNR against the uncached model on the calibration
-    samples is at least ``psnr_floor_db`` and whose 5th percentile is at least ``psnr_p5_floor_db``.
-    ``lambdas`` trade-offs between ``lambda_min`` and ``lambda_max`` (block evaluations per unit of
-    summed relative L2) are solved and confirmed end to end.
+    after a full step; the first ``min_full`` steps and the last step are full. Candidates come from
+    ``lambdas`` prices of error in the search's dynamic program and from the fixed-interval family;
+    each is confirmed end to end on ``calib_samples`` calibration samples, then up to ``refine`` more
+    confirmations (``refine_tries`` neighbours per round) refine the cheapest one meeting the floor.
+    The chosen schedule is the cheapest confirmed one whose mean PSNR against the uncached model on
+    the calibration samples is at least ``psnr_floor_db`` and whose 5th percentile is at least
+    ``psnr_p5_floor_db``.
     """
 
     kind: ClassVar[str] = "cache_auto"
     order: ClassVar[int] = 50
     transform_module: ClassVar[str] = "sdkiln.optimizer.cache_search"
-    actions: tuple[str, ...] = ("skip", "partial:1:1")
+    actions: tuple[str, ...] = ("skip", "skip~", "partial:1:1")
     max_reuse: int = 3
     min_full: int = 1
     psnr_floor_db: float = 30.0
     psnr_p5_floor_db: float = 25.0
     calib_samples: int = 4
     eval_samples: int = 8
-    lambdas: int = 10
-    lambda_min: float = 30.0
-    lambda_max: float = 30000.0
+    lambdas: int = 12
+    refine: int = 12
+    refine_tries: int = 3
     steps: int | None = None
     """Denoising steps the schedule is searched for; None for the family's deployment default."""
 
@@ -309,6 +316,8 @@ class CacheAutoConfig(StepConfig):
         from sdkiln.runtime.cache.schedule import Action  # the runtime owns the action grammar
 
         self.actions = tuple(str(a) for a in self.actions)
+        if not self.actions:
+            raise ValueError("cache_auto needs at least one reuse action (skip, partial:F:B)")
         for a in self.actions:
             if Action.parse(a).kind == "full":
                 raise ValueError(
@@ -318,8 +327,8 @@ class CacheAutoConfig(StepConfig):
             raise ValueError("max_reuse and min_full must be >= 1")
         if self.calib_samples < 1 or self.eval_samples < 1:
             raise ValueError("calib_samples and eval_samples must be >= 1")
-        if self.lambdas < 2 or not 0 < self.lambda_min < self.lambda_max:
-            raise ValueError("need lambdas >= 2 and 0 < lambda_min < lambda_max")
+        if self.lambdas < 1 or self.refine < 0 or self.refine_tries < 1:
+            raise ValueError("need lambdas >= 1, refine >= 0 and refine_tries >= 1")
         if self.steps is not None and self.steps < 3:
             raise ValueError("a cache schedule needs at least 3 steps")
 

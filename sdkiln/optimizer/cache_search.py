@@ -4,29 +4,32 @@
    does that) runs uncached on ``calib_samples`` calibration prompts as one batch, recording how
    every block's residual changes from step to step (``calibrate.cache_profile``, kept in the
    package with a heatmap) and the latents before every step (``calibrate.trajectories``).
-2. **Segment errors.** A segment (s, L, a) is a full step s followed by L steps of action a. For
-   each full step s and action a, one partial run starts from the reference latents before s, runs
-   s full and then a for up to ``max_reuse`` steps, and records the latents after every step: the
-   relative L2 error of the latents after step s+L against the reference is the segment's error for
-   every L at once (a run's first L steps do not depend on what follows them).
-3. **Dynamic programming.** Over the full steps, minimize block evaluations + lambda x (sum of the
-   segment errors of the schedule), for lambda on a geometric grid: each lambda gives one schedule
-   (the first ``min_full`` steps and the last step full, at most ``max_reuse`` non-full steps in a
-   row). Summing segment errors is a model of the final error, so:
-4. **Confirmation.** Every distinct schedule runs end to end on the calibration samples: its PSNR
+2. **Segment errors** (``cache_plan`` has the model). A segment (s, L, a) is a full step s followed
+   by L steps of reuse action a. For each full step s and action a, one partial run starts from the
+   reference latents before s, runs s full, then a for up to ``max_reuse`` steps, and records the
+   latents after every step: the relative L2 error after step s+L is the segment's local error for
+   every L at once (a run's first L steps do not depend on what follows). The first action's runs
+   continue full to the last step, which measures how an error after step j grows or shrinks by the
+   final latents (the gain of step j). A segment's predicted final error is local x gain.
+3. **Candidates.** Dynamic programming over the full steps minimizes block evaluations + lambda x
+   (summed predicted final error) for ``lambdas`` prices of error (the first ``min_full`` steps and
+   the last step full, at most ``max_reuse`` reuse steps in a row); the fixed-interval schedules
+   within the same constraints join them, and all-full.
+4. **Confirmation and refinement.** Every candidate runs end to end on the calibration samples: PSNR
    of the decoded images and relative L2 of the final latents against the uncached run (mean and
-   5th/95th percentiles). These, with the block-evaluation ratio, form the Pareto front kept in the
-   package. The chosen schedule is the cheapest whose mean PSNR reaches ``psnr_floor_db`` and whose
-   5th-percentile PSNR reaches ``psnr_p5_floor_db`` (or, for the presets, the one at the preset's
-   place on the front); it is then measured on held-out samples (``eval_samples`` of the family's
-   eval prompts, other seeds) for the ``expected`` object.
+   5th/95th percentiles). From the cheapest schedule meeting the floor (mean PSNR >=
+   ``psnr_floor_db``, 5th percentile >= ``psnr_p5_floor_db``), a local search tries one-move-cheaper
+   neighbours (a full step turned into reuse, a segment's action made cheaper), best predicted first,
+   each confirmed end to end, for up to ``refine`` runs. The Pareto front of every confirmed
+   schedule (block evaluations -> PSNR) is kept in the package; the chosen schedule is the cheapest
+   confirmed one meeting the floor (the presets differ only in the floor). It is then measured on
+   held-out samples (``eval_samples`` of the family's eval prompts, other seeds) for ``expected``.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -40,6 +43,7 @@ from sdkiln.configs import CacheAutoConfig
 from sdkiln.model_zoo.fingerprint import fingerprint
 from sdkiln.optimizer import metrics
 from sdkiln.optimizer.cache_layout import block_layout, run_sigmas
+from sdkiln.optimizer.cache_plan import ErrorModel, Segment, fill_gaps
 from sdkiln.optimizer.evaluate import PSNR_CAP_DB, generate
 from sdkiln.optimizer.registry import StepContext, StepResult, register_transform
 from sdkiln.runtime.cache import (
@@ -54,13 +58,6 @@ from sdkiln.runtime.cache import (
 
 EVAL_SEED = 10_000
 """Held-out samples use the eval prompts with seeds from here, disjoint from calibration seeds."""
-
-
-@dataclass(frozen=True)
-class Segment:
-    start: int
-    length: int
-    action: Action
 
 
 def _rel_l2(a: torch.Tensor, b: torch.Tensor) -> np.ndarray:
@@ -79,7 +76,7 @@ class Search:
         self.num_blocks = sum(b.count for b in self.blocks)
         self.actions = [Action.parse(a) for a in config.actions]
         self.sigmas: list[float] = []
-        self.errors: dict[Segment, float] = {}
+        self.model = ErrorModel(self.num_steps, self.num_blocks, config.min_full, config.max_reuse)
 
     def schedule(self, actions: list[Action]) -> CacheSchedule:
         return CacheSchedule(
@@ -89,49 +86,49 @@ class Search:
             scheduler_class=type(self.ctx.pipeline.scheduler).__name__,
         )
 
-    def measure_segments(self) -> None:
+    def segment_jobs(self) -> list[tuple[int, Action, int, int]]:
+        """(full step s, action, reuse length L, last step run): one partial run each. The first action's
+        runs continue full to the last step, which measures the gains; the others stop after the segment."""
+        t, k = self.num_steps, self.config.max_reuse
+        jobs = []
+        for s in range(self.config.min_full - 1, t - 2):  # a segment's reuse ends before the last step
+            length = min(k, t - 2 - s)
+            for i, action in enumerate(self.actions):
+                if action.extrapolate and s < 1:  # extrapolation needs two full steps before the reuse
+                    continue
+                jobs.append((s, action, length, t - 1 if i == 0 else s + length))
+        return jobs
+
+    def measure_segments(self, seconds_per_step: float) -> ErrorModel:
         reference = self.traj.reference()
         self.sigmas = run_sigmas(self.ctx.pipeline)
-        t, k = self.num_steps, self.config.max_reuse
-        starts = range(self.config.min_full - 1, t - 2)  # a segment's reuse ends before the last step
-        jobs = [(s, a) for s in starts for a in self.actions]
-        for s, action in tqdm(jobs, desc="cache segments", unit="run", leave=False):
-            length = min(k, t - 2 - s)
+        t, jobs = self.num_steps, self.segment_jobs()
+        planned = sum(stop - s + 1 for s, _, _, stop in jobs)
+        tqdm.write(
+            f"cache search: {len(jobs)} segment runs, {planned} steps of the calibration batch, about "
+            f"{planned * seconds_per_step:.0f} s, then up to {self.config.lambdas + self.config.refine + 12} "
+            f"end-to-end runs of {t} steps (about {t * seconds_per_step:.0f} s each)"
+        )
+        gains: dict[int, list[float]] = {}
+        for s, action, length, stop in tqdm(jobs, desc="cache segments", unit="run", leave=False):
             acts = [FULL] * t
             acts[s + 1 : s + 1 + length] = [action] * length
             attach_cache(self.ctx.pipeline, self.schedule(acts), self.ctx.spec.transformer_attr)
             try:
-                after = self.traj.run(start=s, stop=s + length)
+                after = self.traj.run(start=s, stop=stop)
             finally:
                 detach_cache(self.ctx.transformer)
             for n in range(1, length + 1):  # after[n]: the latents after step s + n
-                self.errors[Segment(s, n, action)] = float(_rel_l2(after[n], reference[s + n + 1]).mean())
-
-    def solve(self, lam: float) -> list[Action]:
-        """The schedule minimizing block evaluations + lam * summed segment error."""
-        t, n = self.num_steps, self.num_blocks
-        best = [math.inf] * t  # best[i]: cost of steps i..t-1 given step i is full
-        choice: list[Segment | None] = [None] * t
-        best[t - 1] = n
-        for i in range(t - 2, -1, -1):
-            best[i], choice[i] = n + best[i + 1], None
-            if i < self.config.min_full - 1:
-                continue
-            for seg, err in self.errors.items():
-                if seg.start != i or i + seg.length + 1 > t - 1:
-                    continue
-                cost = n + seg.length * seg.action.block_evaluations(n) + lam * err + best[i + seg.length + 1]
-                if cost < best[i]:
-                    best[i], choice[i] = cost, seg
-        actions, i = [FULL] * t, 0
-        while i < t - 1:
-            seg = choice[i]
-            if seg is None:
-                i += 1
-                continue
-            actions[i + 1 : i + 1 + seg.length] = [seg.action] * seg.length
-            i += seg.length + 1
-        return actions
+                self.model.local[Segment(s, n, action)] = float(
+                    _rel_l2(after[n], reference[s + n + 1]).mean()
+                )
+            if stop == t - 1:
+                local = self.model.local[Segment(s, length, action)]
+                final = float(_rel_l2(after[-1], reference[t]).mean())
+                if local > 0:
+                    gains.setdefault(s + length, []).append(final / local)
+        self.model.gain = fill_gaps({j: float(np.mean(g)) for j, g in gains.items()}, t)
+        return self.model
 
     def confirm(
         self, actions: list[Action], prompts, seeds, reference_images, reference_latents
@@ -167,13 +164,81 @@ def fixed_interval(num_steps: int, first: int, every: int, action: Action | None
     ]
 
 
-def _pick(front: list[dict[str, Any]], config: CacheAutoConfig) -> dict[str, Any]:
-    ok = [
-        p for p in front if p["psnr_mean"] >= config.psnr_floor_db and p["psnr_p5"] >= config.psnr_p5_floor_db
-    ]
+def fixed_family(model: ErrorModel, actions: list[Action]) -> list[list[Action]]:
+    """The fixed-interval schedules within the search's constraints (first k full, then every n-th),
+    each with the reuse action the model predicts best for it: candidates beside the DP's, so the
+    search never returns less than the baselines give."""
+    out = []
+    for first in sorted({model.min_full, 2, 4}):
+        for every in range(2, model.max_reuse + 2):
+            trials = [fixed_interval(model.num_steps, max(first, model.min_full), every, a) for a in actions]
+            trials = [t for t in trials if model.allowed(t)]
+            if trials:
+                out.append(min(trials, key=model.predict))
+    return out
+
+
+def _feasible(point: dict[str, Any], config: CacheAutoConfig) -> bool:
+    return point["psnr_mean"] >= config.psnr_floor_db and point["psnr_p5"] >= config.psnr_p5_floor_db
+
+
+def _pick(points: list[dict[str, Any]], config: CacheAutoConfig) -> dict[str, Any]:
+    ok = [p for p in points if _feasible(p, config)]
     if not ok:
-        return min(front, key=lambda p: -p["psnr_mean"])  # all-full is on the front and always passes
+        return min(points, key=lambda p: -p["psnr_mean"])  # all-full is confirmed and always passes
     return min(ok, key=lambda p: (p["block_evaluations_ratio"], -p["psnr_mean"]))
+
+
+def pareto(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The points no other point beats on both block evaluations and mean PSNR, cheapest first."""
+    front: list[dict[str, Any]] = []
+    for p in sorted(points, key=lambda p: (p["block_evaluations_ratio"], -p["psnr_mean"])):
+        if not front or p["psnr_mean"] > front[-1]["psnr_mean"]:
+            front.append(p)
+    return front
+
+
+class Confirmed:
+    """Every schedule run end to end on the calibration samples, once each."""
+
+    def __init__(self, search: Search, prompts, seeds, images, latents):
+        self.search, self.args = search, (prompts, seeds, images, latents)
+        self.points: dict[tuple[str, ...], dict[str, Any]] = {}
+
+    def __call__(self, actions: list[Action], source: str) -> dict[str, Any]:
+        key = tuple(str(a) for a in actions)
+        if key not in self.points:
+            point = self.search.confirm(actions, *self.args)
+            predicted = self.search.model.predict(actions)
+            self.points[key] = point | {
+                "source": source,
+                "predicted_rel_l2": predicted if math.isfinite(predicted) else None,
+            }
+        return self.points[key]
+
+
+def refine(confirmed: Confirmed, start: list[Action], config: CacheAutoConfig, bar) -> int:
+    """Local search from a schedule that meets the floor: try its cheaper neighbours, best predicted
+    first (``config.refine_tries`` per round), move to the first that still meets the floor when
+    confirmed, and stop when none does or ``config.refine`` confirmations are spent. Returns the
+    confirmations used."""
+    model, search, current, used = confirmed.search.model, confirmed.search, start, 0
+    while used < config.refine:
+        moved = False
+        for trial in model.cheaper_neighbours(current, search.actions)[: config.refine_tries]:
+            if tuple(str(a) for a in trial) in confirmed.points:
+                point = confirmed.points[tuple(str(a) for a in trial)]
+            else:
+                point, used = confirmed(trial, "refine"), used + 1
+                bar.update()
+            if _feasible(point, config):
+                current, moved = trial, True
+                break
+            if used >= config.refine:
+                break
+        if not moved:
+            break
+    return used
 
 
 @register_transform(CacheAutoConfig)
@@ -183,28 +248,27 @@ def apply_cache_auto(ctx: StepContext, config: CacheAutoConfig) -> StepResult:
     prompts, seeds = calib.plan()
     search = Search(ctx, config, prompts, seeds)
     prof = profile(search.traj, search.blocks)
-    search.measure_segments()
+    seconds_per_step = (time.perf_counter() - started) / search.num_steps
+    model = search.measure_segments(seconds_per_step)
 
     call = ctx.spec.call_kwargs(steps=config.steps)
     ref_images, ref_latents = generate(ctx.pipeline, call, prompts, seeds, len(prompts), "uncached")
-    lambdas = [
-        config.lambda_min * (config.lambda_max / config.lambda_min) ** (i / (config.lambdas - 1))
-        for i in range(config.lambdas)
-    ]
-    seen, front = set(), []
-    for lam in tqdm(lambdas, desc="cache schedules", leave=False):
-        actions = search.solve(lam)
-        key = tuple(str(a) for a in actions)
-        if key in seen:
-            continue
-        seen.add(key)
-        point = search.confirm(actions, prompts, seeds, ref_images, ref_latents)
-        front.append(point | {"lambda": lam})
-    full = [FULL] * search.num_steps
-    if tuple(str(a) for a in full) not in seen:
-        front.append(search.confirm(full, prompts, seeds, ref_images, ref_latents) | {"lambda": math.inf})
-    front.sort(key=lambda p: p["block_evaluations_ratio"])
-    chosen = _pick(front, config)
+    confirmed = Confirmed(search, prompts, seeds, ref_images, ref_latents)
+    candidates = [(model.solve(lam), f"dp lambda={lam:.4g}") for lam in model.lambdas(config.lambdas)]
+    candidates += [(a, "fixed interval") for a in fixed_family(model, search.actions)]
+    candidates.append(([FULL] * search.num_steps, "all full"))
+    with tqdm(desc="cache schedules", unit="run", leave=False) as bar:
+        for actions, source in candidates:
+            if tuple(str(a) for a in actions) not in confirmed.points:
+                bar.update()
+            confirmed(actions, source)
+        start = _pick(list(confirmed.points.values()), config)
+        refined = refine(confirmed, [Action.parse(a) for a in start["actions"]], config, bar)
+    points = list(confirmed.points.values())
+    chosen = _pick(points, config)
+    front = pareto(points)
+    if chosen not in front:  # a cheaper point with a higher mean may miss the 5th-percentile floor
+        front = sorted([*front, chosen], key=lambda p: p["block_evaluations_ratio"])
 
     eval_prompts = [ctx.spec.eval_prompts[i % len(ctx.spec.eval_prompts)] for i in range(config.eval_samples)]
     eval_seeds = [EVAL_SEED + i for i in range(config.eval_samples)]
@@ -219,12 +283,18 @@ def apply_cache_auto(ctx: StepContext, config: CacheAutoConfig) -> StepResult:
     schedule.guidance_mode = "shared"  # one action list for every CFG branch (each keeps its own cache)
     schedule.expected = expected | {"prompts": eval_prompts, "seeds": eval_seeds}
     schedule.search = {
-        "objective": "block evaluations + lambda * sum of measured segment errors (relative L2 of the latents)",
+        "objective": (
+            "block evaluations + lambda * predicted final error (sum over segments of the measured relative L2 "
+            "after the segment times the measured gain of that step to the final latents)"
+        ),
         "constraints": {"min_full": config.min_full, "max_reuse": config.max_reuse, "last_step": "full"},
         "actions": list(config.actions),
         "calibration": calib.record(),
         "floor": {"psnr_mean_db": config.psnr_floor_db, "psnr_p5_db": config.psnr_p5_floor_db},
         "front": front,
+        "confirmed": len(points),
+        "refine_confirmations": refined,
+        "gain": [round(g, 4) for g in model.gain],
         "seconds": round(time.perf_counter() - started, 1),
     }
     attach_cache(ctx.pipeline, schedule, ctx.spec.transformer_attr)  # the result runs as the package will
@@ -237,6 +307,7 @@ def apply_cache_auto(ctx: StepContext, config: CacheAutoConfig) -> StepResult:
             "calibration_psnr_mean": chosen["psnr_mean"],
             "expected": schedule.expected,
             "front_size": len(front),
+            "confirmed": len(points),
         },
         files={SCHEDULE_FILE: schedule.to_dict(), PROFILE_FILE: prof, HEATMAP_FILE: heatmap_png(prof)},
     )

@@ -32,8 +32,23 @@ NAMED_RECIPES: dict[str, Callable[[], list[StepConfig]]] = {
     "smoothquant": lambda: [SmoothQuantConfig()],
     "quant-auto": lambda: [QuantAutoConfig()],
     "cache-auto": lambda: [CacheAutoConfig()],
+    # Presets: the same search, a different floor on the confirmed front (mean / 5th-percentile PSNR).
+    "cache-fast": lambda: [CacheAutoConfig(psnr_floor_db=25.0, psnr_p5_floor_db=20.0)],
+    "cache-balanced": lambda: [CacheAutoConfig()],
+    "cache-safe": lambda: [CacheAutoConfig(psnr_floor_db=35.0, psnr_p5_floor_db=30.0)],
+    # More calibration samples, more actions and lengths, a longer refinement: slower, for a release.
+    "cache-thorough": lambda: [
+        CacheAutoConfig(
+            actions=("skip", "skip~", "partial:1:1", "partial~:1:1", "partial:2:2"),
+            max_reuse=4,
+            calib_samples=8,
+            eval_samples=16,
+            lambdas=24,
+            refine=40,
+        )
+    ],
 }
-ALIASES = {"default": "quant-auto"}
+ALIASES = {"default": "quant-auto+cache-auto"}
 
 
 def resolve_recipe(recipe: str | RecipeConfig) -> RecipeConfig:
@@ -43,11 +58,11 @@ def resolve_recipe(recipe: str | RecipeConfig) -> RecipeConfig:
     if recipe.endswith((".json", ".yaml", ".yml")):
         return _recipe_file(Path(recipe))
     steps: list[StepConfig] = []
-    for part in recipe.split("+"):
-        name = ALIASES.get(part.strip(), part.strip())
+    parts = [p for part in recipe.split("+") for p in ALIASES.get(part.strip(), part.strip()).split("+")]
+    for name in parts:
         if name not in NAMED_RECIPES:
             known = ", ".join(sorted([*NAMED_RECIPES, *ALIASES]))
-            raise RecipeError(f"unknown recipe {part!r}; known: {known}, or a .json/.yaml recipe file")
+            raise RecipeError(f"unknown recipe {name!r}; known: {known}, or a .json/.yaml recipe file")
         steps.extend(NAMED_RECIPES[name]())
     kinds = [s.kind for s in steps]
     if len(set(kinds)) != len(kinds):

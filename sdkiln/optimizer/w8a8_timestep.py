@@ -16,6 +16,8 @@ one to the loaded package, so both run the same rows at the same steps.
 
 from __future__ import annotations
 
+import torch
+
 from sdkiln.calibrate.loop import PromptLoop
 from sdkiln.configs import W8A8TimestepConfig
 from sdkiln.optimizer.calibrated_layers import (
@@ -32,6 +34,17 @@ from sdkiln.runtime.quant.w8a8_timestep import W8A8TimestepLinear
 from sdkiln.runtime.steps import attach_step_tracker
 
 
+def window_range(
+    step_min: torch.Tensor, step_max: torch.Tensor, window: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per step t, the union of the ranges of steps t-window .. t+window ([T] each)."""
+    if window == 0:
+        return step_min, step_max
+    lo = -torch.nn.functional.max_pool1d((-step_min).reshape(1, 1, -1), 2 * window + 1, 1, window)
+    hi = torch.nn.functional.max_pool1d(step_max.reshape(1, 1, -1), 2 * window + 1, 1, window)
+    return lo.flatten(), hi.flatten()
+
+
 @register_transform(W8A8TimestepConfig)
 def apply_w8a8_timestep(ctx: StepContext, config: W8A8TimestepConfig) -> StepResult:
     model = ctx.transformer
@@ -46,9 +59,8 @@ def apply_w8a8_timestep(ctx: StepContext, config: W8A8TimestepConfig) -> StepRes
     quantized = []
     for target in targets:
         obs = observers[target.linear]
-        module = W8A8TimestepLinear.from_linear(
-            model.get_submodule(target.linear), obs.step_min, obs.step_max, dynamic_steps=0
-        )
+        lo, hi = window_range(obs.step_min, obs.step_max, config.step_window)
+        module = W8A8TimestepLinear.from_linear(model.get_submodule(target.linear), lo, hi, dynamic_steps=0)
         replace(model, target, module)
         quantized.append((target, module))
     attach_step_tracker(ctx.pipeline, ctx.spec.transformer_attr)
@@ -70,6 +82,7 @@ def apply_w8a8_timestep(ctx: StepContext, config: W8A8TimestepConfig) -> StepRes
             "smoothed": [t.layer for t in targets if t.smoothed],
             "num_steps": num_steps,
             "dynamic_steps": best,
+            "step_window": config.step_window,
             "dynamic_steps_search": {
                 "metric": "mean relative L2 of the final latents against the float model",
                 "prompts": search.record()["prompts"],

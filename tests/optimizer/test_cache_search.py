@@ -1,6 +1,7 @@
 """cache_auto: segment measurements, the DP, the package file, and the loaded package following it."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -10,9 +11,9 @@ from sdkiln.calibrate.cache_profile import HEATMAP_FILE, PROFILE_FILE
 from sdkiln.calibrate.trajectories import Trajectories
 from sdkiln.configs import CacheAutoConfig, RecipeConfig
 from sdkiln.errors import PackageError
-from sdkiln.optimizer.cache_search import Search, Segment, fixed_interval
+from sdkiln.optimizer.cache_plan import ErrorModel, Segment, fill_gaps
+from sdkiln.optimizer.cache_search import fixed_interval, pareto
 from sdkiln.optimizer.evaluate import compare
-from sdkiln.optimizer.registry import StepContext
 from sdkiln.runtime import loader
 from sdkiln.runtime.cache import FULL, SCHEDULE_FILE, Action, cache_runner
 from sdkiln.runtime.package import open_package
@@ -33,22 +34,65 @@ def test_partial_runs_replay_the_reference_exactly(flux_tiny):
     assert torch.equal(part[0], reference[4]) and torch.equal(part[1], reference[5])
 
 
-def test_dp_picks_the_cheapest_schedule_under_the_error_price(flux_tiny):
-    spec, pipe = flux_tiny
-    config = CacheAutoConfig(steps=STEPS, calib_samples=2, max_reuse=2)
-    search = Search(StepContext(pipe, spec, None), config, ["a", "b"], [0, 1])
-    n = search.num_blocks
-    skip, part = Action.parse("skip"), Action.parse("partial:1:1")
-    search.errors = {Segment(s, L, a): 0.0 for s in range(STEPS - 2) for L in (1, 2) for a in (skip, part)}
-    search.errors = {k: (1.0 if k.start == 0 else 0.01) for k in search.errors}
-    free = search.solve(lam=1.0)  # error nearly free: skip as much as the constraints allow
+def _model(errors, gain=None, steps=STEPS, blocks=4, max_reuse=2, min_full=1):
+    model = ErrorModel(steps, blocks, min_full, max_reuse, local=dict(errors))
+    model.gain = gain or [1.0] * steps
+    return model
+
+
+SKIP, PART = Action.parse("skip"), Action.parse("partial:1:1")
+
+
+def test_dp_picks_the_cheapest_schedule_under_the_error_price():
+    segs = [Segment(s, L, a) for s in range(STEPS - 2) for L in (1, 2) for a in (SKIP, PART)]
+    model = _model({k: (1.0 if k.start == 0 else 0.01) for k in segs})
+    n = model.num_blocks
+    free = model.solve(lam=1.0)  # error nearly free: skip as much as the constraints allow
     assert free[0] == FULL and free[-1] == FULL
     assert all(run <= 2 for run in _non_full_runs(free))
     assert sum(a != FULL for a in free) == 3  # full, skip, skip, full, skip, full: 6 steps
-    strict = search.solve(lam=1e9)  # error priceless: everything full
-    assert strict == [FULL] * STEPS
-    costly_start = search.solve(lam=float(n) * 10)  # the segment from step 0 costs 10 blocks of error
+    assert model.solve(lam=1e9) == [FULL] * STEPS  # error priceless: everything full
+    costly_start = model.solve(lam=float(n) * 10)  # the segment from step 0 costs 10 blocks of error
     assert costly_start[1] == FULL
+
+
+def test_gain_weights_late_errors_more():
+    """Equal local errors everywhere; errors after late steps reach the output at full weight, early
+    ones are damped: at a price where only a damped segment pays, the reuse lands early."""
+    segs = {Segment(s, 1, SKIP): 0.1 for s in range(STEPS - 2)}
+    gain = [0.01 if j <= 2 else 1.0 for j in range(STEPS)]
+    actions = _model(segs, gain, max_reuse=1).solve(lam=100.0)  # a full step costs 4: 0.1*1*100 > 4
+    assert [str(a) for a in actions] == ["full", "skip", "full", "full", "full", "full"] or [
+        str(a) for a in actions
+    ] == ["full", "full", "skip", "full", "full", "full"]
+    assert _model(segs, gain, max_reuse=1).predict(actions) == pytest.approx(0.001)
+
+
+def test_model_prices_only_what_it_measured():
+    model = _model({Segment(0, 2, SKIP): 0.2, Segment(3, 1, PART): 0.05}, gain=[1, 1, 2, 1, 0.5, 1])
+    sched = [FULL, SKIP, SKIP, FULL, PART, FULL]
+    assert model.segments(sched) == [Segment(0, 2, SKIP), Segment(3, 1, PART)]
+    assert model.predict(sched) == pytest.approx(0.2 * 2 + 0.05 * 0.5)
+    assert model.predict([FULL, SKIP, PART, FULL, FULL, FULL]) == math.inf  # a run mixing actions
+    assert model.predict([FULL, FULL, SKIP, FULL, FULL, FULL]) == math.inf  # never measured
+    assert model.cost(sched) == 4 * 3 + 2 * 1
+    extrap = Action.parse("skip~")
+    assert not model.allowed([FULL, extrap, FULL, FULL, FULL, FULL])  # one full step before it
+    assert model.allowed([FULL, FULL, extrap, FULL, FULL, FULL])
+    assert not model.allowed([FULL, SKIP, SKIP, SKIP, FULL, FULL])  # max_reuse 2
+    assert fill_gaps({2: 5.0, 4: 7.0}, 6) == [5.0, 5.0, 5.0, 5.0, 7.0, 7.0]
+
+
+def test_cheaper_neighbours_are_cheaper_allowed_and_ranked_by_prediction():
+    segs = [Segment(s, L, a) for s in range(STEPS - 2) for L in (1, 2) for a in (SKIP, PART)]
+    model = _model({k: 0.01 * (1 + k.start) * k.length * (2 if k.action == SKIP else 1) for k in segs})
+    start = [FULL, PART, FULL, FULL, FULL, FULL]
+    out = model.cheaper_neighbours(start, [SKIP, PART])
+    assert out and all(model.allowed(c) and model.cost(c) < model.cost(start) for c in out)
+    assert [FULL, SKIP, FULL, FULL, FULL, FULL] in out  # the segment's action made cheaper
+    assert [FULL, PART, PART, FULL, FULL, FULL] in out  # a full step joined to the segment
+    predicted = [model.predict(c) for c in out]
+    assert predicted == sorted(predicted)
 
 
 def _non_full_runs(actions):
@@ -69,6 +113,7 @@ def test_cache_auto_writes_a_schedule_the_loaded_package_follows(flux_tiny, tmp_
                 calib_samples=2,
                 eval_samples=2,
                 lambdas=4,
+                refine=2,
                 psnr_floor_db=0.0,
                 psnr_p5_floor_db=0.0,
             )
@@ -121,3 +166,15 @@ def test_cache_auto_writes_a_schedule_the_loaded_package_follows(flux_tiny, tmp_
 def test_fixed_interval_baseline():
     acts = [str(a) for a in fixed_interval(10, first=3, every=3)]
     assert acts == ["full"] * 4 + ["skip", "skip", "full", "skip", "skip", "full"]
+
+
+def test_pareto_keeps_the_points_nothing_beats():
+    pts = [
+        {"block_evaluations_ratio": r, "psnr_mean": p}
+        for r, p in [(0.3, 20), (0.5, 25), (0.4, 30), (1.0, 100)]
+    ]
+    assert [(p["block_evaluations_ratio"], p["psnr_mean"]) for p in pareto(pts)] == [
+        (0.3, 20),
+        (0.4, 30),
+        (1.0, 100),
+    ]

@@ -2,7 +2,14 @@ import json
 
 import pytest
 
-from sdkiln.configs import STEP_CONFIGS, QuantAutoConfig, RecipeConfig, StepConfig, W8A8DynamicConfig
+from sdkiln.configs import (
+    STEP_CONFIGS,
+    CacheAutoConfig,
+    QuantAutoConfig,
+    RecipeConfig,
+    StepConfig,
+    W8A8DynamicConfig,
+)
 from sdkiln.errors import RecipeError
 from sdkiln.optimizer.recipes import resolve_recipe
 
@@ -22,7 +29,7 @@ def test_recipe_round_trips_through_json():
 
 def test_named_recipes():
     assert resolve_recipe("none").steps == []
-    assert resolve_recipe("default").steps == [QuantAutoConfig()]
+    assert resolve_recipe("default").steps == [QuantAutoConfig(), CacheAutoConfig()]
     assert resolve_recipe("none+w8a8-dynamic").steps == [W8A8DynamicConfig()]
 
 

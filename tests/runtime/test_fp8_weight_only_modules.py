@@ -97,8 +97,13 @@ def test_w8a16_weight_is_per_channel_symmetric():
         linear.weight[3] = 0
     q = W8A16Linear.from_linear(linear)
     assert q.bias is None and q.params() == {}
-    assert (q.weight.abs().amax(1)[torch.arange(32) != 3] == 127).all()
+    rows = torch.arange(32) != 3
+    absmax = linear.weight.detach().abs().amax(1, keepdim=True)
+    assert torch.equal(q.weight_scale[rows], absmax[rows] / 127.5)  # the grid of int8_weight
+    assert (q.weight.int().amax(1)[rows] <= 127).all() and (q.weight.int().amin(1)[rows] >= -128).all()
+    assert (q.weight.int().abs().amax(1)[rows] >= 127).all()  # each row's largest weight spans the grid
     assert q.weight_scale[3].item() == 1.0 and not q.weight[3].any()
+    # Error within half a step, except a row's largest positive weight (127.5 -> 127): a full half step.
     assert (q.weight.float() * q.weight_scale - linear.weight).abs().max() <= q.weight_scale.max() / 2 + 1e-7
 
 

@@ -28,3 +28,19 @@ def test_w8a8_linear_dequantized_weight_is_the_reference():
     dequant = q.weight.float() * q.weight_scale
     assert (dequant - linear.weight).abs().max() <= q.weight_scale.max() / 2 + 1e-7
     assert q.bias is None
+
+
+def test_int8_weight_grid_is_absmax_over_127_5_in_minus_128_to_127():
+    from sdkiln.runtime.quant.w8a8_dynamic import int8_weight
+
+    w = torch.tensor([[-2.0, 1.0, 0.5], [2.0, -1.0, 0.0], [0.0, 0.0, 0.0]])
+    q, scale = int8_weight(w)
+    assert torch.equal(scale, torch.tensor([[2 / 127.5], [2 / 127.5], [1.0]]))
+    # +-2 / s is 127.5 up to fp32 rounding: the positive end is clamped to 127, the negative end is
+    # -127 or -128 depending on that rounding; the other values are ordinary grid points.
+    assert q[0, 0].item() in (-128, -127) and q.tolist()[0][1:] == [64, 32]
+    assert q.tolist()[1:] == [[127, -64, 0], [0, 0, 0]]
+    big = torch.randn(64, 256)
+    q, scale = int8_weight(big)
+    assert q.min() >= -128 and q.max() <= 127
+    assert ((q.float() * scale - big).abs() <= scale / 2 + 1e-6).all()

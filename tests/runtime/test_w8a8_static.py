@@ -30,8 +30,8 @@ def activations(n: int, k: int, seed: int) -> torch.Tensor:
 def issue_formula(linear: nn.Linear, lo: float, hi: float, x: torch.Tensor):
     """The issue's W8A8 formulas, written independently of sdkiln (float64 / int64 where exact)."""
     w = linear.weight.detach()
-    s_w = w.abs().amax(1) / 127  # W8A8_DYNAMIC's per-channel weight scale, fp32
-    wq = torch.round(w / s_w[:, None]).clamp(-127, 127).to(torch.int64)
+    s_w = w.abs().amax(1) / 127.5  # W8A8_DYNAMIC's per-channel weight scale, fp32
+    wq = torch.round(w / s_w[:, None]).clamp(-128, 127).to(torch.int64)
     lo, hi = min(lo, 0.0), max(hi, 0.0)
     s_x = torch.tensor((hi - lo) / 255, dtype=torch.float32)
     o_x = torch.tensor(round(-lo / float(s_x)) - 128, dtype=torch.float32)

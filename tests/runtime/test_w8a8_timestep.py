@@ -102,3 +102,14 @@ def test_policy_switches_at_the_chosen_step_in_a_real_pipeline(spy):
     assert spy.calls == [("dynamic",)] * 4 + [("static", rows[2])] * 2 + [("static", rows[3])] * 2
     with pytest.raises(StepError, match="run it with num_inference_steps=4"):
         pipe(prompt="a dog", **{**call, "num_inference_steps": 6})
+
+
+def test_step_window_takes_the_union_of_neighbouring_ranges():
+    from sdkiln.optimizer.w8a8_timestep import window_range
+
+    lo, hi = torch.tensor([0.0, -5, 0, 0, -1]), torch.tensor([1.0, 0, 3, 0, 0])
+    assert window_range(lo, hi, 0) == (lo, hi)
+    wlo, whi = window_range(lo, hi, 1)
+    assert wlo.tolist() == [-5, -5, -5, -1, -1] and whi.tolist() == [1, 3, 3, 3, 0]
+    wlo, whi = window_range(lo, hi, 10)  # wider than the run: the global range at every step
+    assert wlo.tolist() == [-5] * 5 and whi.tolist() == [3] * 5

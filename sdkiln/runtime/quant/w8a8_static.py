@@ -26,7 +26,7 @@ from sdkiln import kernels
 from sdkiln.runtime.quant import register_quant_module
 from sdkiln.runtime.quant.w8a8_dynamic import W8A8Linear
 
-# |x_q @ Wq.T| <= K * 128 * 127; quant_bias must leave room for it in int32.
+# |x_q @ Wq.T| <= K * 128 * 128 (both in [-128, 127]); quant_bias must leave room for it in int32.
 _INT32_MAX = 2**31 - 1
 
 
@@ -61,7 +61,7 @@ def static_params(
     wsum = weight.to(torch.int64).sum(dim=1).double()
     fbias = torch.zeros(weight.shape[0], dtype=torch.float64) if bias is None else bias.double()
     qb = torch.round(fbias / deq.double() - input_offset.double().reshape(*lead, 1) * wsum)
-    room = _INT32_MAX - weight.shape[1] * 128 * 127
+    room = _INT32_MAX - weight.shape[1] * 128 * 128
     if bool((qb.abs() > room).any()):
         raise ValueError(
             f"quant_bias reaches {qb.abs().max().item():.3g}, beyond what an int32 accumulator over K="

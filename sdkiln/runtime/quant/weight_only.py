@@ -14,8 +14,8 @@ from torch import nn
 from sdkiln import kernels
 from sdkiln.kernels.int4 import pack_int4
 from sdkiln.runtime.quant import register_quant_module
+from sdkiln.runtime.quant.w8a8_dynamic import int8_weight
 
-INT8_QMAX = 127
 # W4A16 values lie in [-7, 7]: symmetric around a zero offset, as the Ascend format's zero
 # weight_offset says. The storage format and the op also decode -8, so other producers may use it.
 INT4_QMAX = 7
@@ -69,7 +69,8 @@ class _WeightOnlyLinear(nn.Module):
 
 @register_quant_module
 class W8A16Linear(_WeightOnlyLinear):
-    """int8 per-channel symmetric weight (``scale = absmax / 127``); float activations (W8A16).
+    """int8 per-channel symmetric weight (``int8_weight``: ``absmax / 127.5``, values in [-128, 127]);
+    float activations (W8A16).
 
     y = x @ (Wq * s_w)^T + bias, in fp32, rounded to x's dtype.
     """
@@ -87,8 +88,8 @@ class W8A16Linear(_WeightOnlyLinear):
     def from_linear(cls, linear: nn.Linear) -> W8A16Linear:
         w = linear.weight.detach()
         mod = cls(linear.in_features, linear.out_features, linear.bias is not None, w.dtype, w.device)
-        values, scale = _symmetric(w.float(), INT8_QMAX)
-        mod._fill(linear, values, scale.unsqueeze(-1))
+        values, scale = int8_weight(w)
+        mod._fill(linear, values, scale)
         return mod
 
     def params(self) -> dict:
