@@ -15,7 +15,8 @@ every method at that step count. Each method sweeps its knob; a point is one kno
 * ``attention_evaluations_ratio``: the same for the attention modules (a pre-hook on ``attn.to_q``).
   TaylorSeer (default mode), Pyramid Attention Broadcast and FasterCache reuse attention outputs
   inside blocks that still compute, so their block ratio stays 1.0: they save only what the second
-  number and the wall time show, and the block-budget acceptance line leaves them out.
+  number and the wall time show, and the block-budget acceptance line leaves them out. Each of
+  their points costs about a full uncached run, so they get one or two knob values.
 * ``seconds`` and ``wall_speedup``: wall time of generating the held-out set (batches of
   ``--batch-size``) and the uncached time over it, on this CPU at the stated thread count. The machine
   may be shared: the load average is recorded, and the speedup the acceptance uses comes from a
@@ -471,17 +472,17 @@ METHODS: dict[str, Method] = {
         _diffusers(_magcache),
     ),
     "diffusers-taylorseer-lite": Method(
-        "diffusers", lambda b: [{"cache_interval": k} for k in (2, 3, 4, 6)], _diffusers(_taylorseer(True))
+        "diffusers", lambda b: [{"cache_interval": k} for k in (2, 3, 4, 5, 6)], _diffusers(_taylorseer(True))
     ),
     "diffusers-taylorseer": Method(
         "diffusers",
-        lambda b: [{"cache_interval": k} for k in (2, 3, 5)],
+        lambda b: [{"cache_interval": 3}],
         _diffusers(_taylorseer(False)),
         reuses="attention",
     ),
     "diffusers-pab": Method(
         "diffusers",
-        lambda b: [{"spatial_attention_block_skip_range": k} for k in (2, 3, 4)],
+        lambda b: [{"spatial_attention_block_skip_range": k} for k in (2, 4)],
         _diffusers(_pab),
         reuses="attention",
     ),
@@ -493,7 +494,7 @@ METHODS: dict[str, Method] = {
     ),
     "diffusers-fastercache-attention": Method(
         "diffusers",
-        lambda b: [{"spatial_attention_block_skip_range": k} for k in (2, 3, 4)],
+        lambda b: [{"spatial_attention_block_skip_range": 2}],
         _diffusers(_fastercache(True)),
         reuses="attention",
     ),

@@ -103,7 +103,7 @@ class Search:
         reference = self.traj.reference()
         self.sigmas = run_sigmas(self.ctx.pipeline)
         t, jobs = self.num_steps, self.segment_jobs()
-        planned = sum(stop - s + 1 for s, _, _, stop in jobs)
+        planned = sum(stop - s + 1 + a.extrapolate for s, a, _, stop in jobs)
         tqdm.write(
             f"cache search: {len(jobs)} segment runs, {planned} steps of the calibration batch, about "
             f"{planned * seconds_per_step:.0f} s, then up to {self.config.lambdas + self.config.refine + 12} "
@@ -114,8 +114,9 @@ class Search:
             acts = [FULL] * t
             acts[s + 1 : s + 1 + length] = [action] * length
             attach_cache(self.ctx.pipeline, self.schedule(acts), self.ctx.spec.transformer_attr)
+            first = s - 1 if action.extrapolate else s  # extrapolation needs the full step before s too
             try:
-                after = self.traj.run(start=s, stop=stop)
+                after = self.traj.run(start=first, stop=stop)[s - first :]
             finally:
                 detach_cache(self.ctx.transformer)
             for n in range(1, length + 1):  # after[n]: the latents after step s + n

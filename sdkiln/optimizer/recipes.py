@@ -40,7 +40,7 @@ NAMED_RECIPES: dict[str, Callable[[], list[StepConfig]]] = {
     "cache-thorough": lambda: [
         CacheAutoConfig(
             actions=("skip", "skip~", "partial:1:1", "partial~:1:1", "partial:2:2"),
-            max_reuse=4,
+            max_reuse=5,
             calib_samples=8,
             eval_samples=16,
             lambdas=24,

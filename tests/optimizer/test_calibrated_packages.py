@@ -15,6 +15,7 @@ from sdkiln.configs import RecipeConfig, SmoothQuantConfig, W8A8StaticConfig, W8
 from sdkiln.errors import StepError
 from sdkiln.model_zoo import get_spec
 from sdkiln.optimizer.evaluate import generate
+from sdkiln.optimizer.w8a8_timestep import window_range
 from sdkiln.runtime.package import open_package
 from sdkiln.runtime.quant.smooth import SmoothedLinear
 from sdkiln.runtime.quant.w8a8_static import W8A8StaticLinear, activation_params
@@ -29,7 +30,7 @@ RECIPES = {
         SmoothQuantConfig(calib_samples=SAMPLES),
         W8A8StaticConfig(calib_samples=SAMPLES),
     ],
-    "w8a8-timestep": [W8A8TimestepConfig(calib_samples=SAMPLES, dynamic_steps=(0, 2))],
+    "w8a8-timestep": [W8A8TimestepConfig(calib_samples=SAMPLES, dynamic_steps=(0, 2), step_window=1)],
     "smoothquant+w8a8-timestep": [
         SmoothQuantConfig(calib_samples=SAMPLES),
         W8A8TimestepConfig(calib_samples=SAMPLES, dynamic_steps=(0, 2)),
@@ -120,11 +121,16 @@ def test_calibration_files_rederive_the_activation_parameters(results, recipe):
         prefix = f"{layer}.linear" if entry.get("smooth") else layer
         if kind == "w8a8_static":
             lo, hi = stats[f"{kind}/{layer}.min"], stats[f"{kind}/{layer}.max"]
-        else:
-            lo, hi = (
-                stats[f"{kind}/{layer}.step_min"].reshape(4, 1),
-                stats[f"{kind}/{layer}.step_max"].reshape(4, 1),
+        else:  # each step's range widened to its neighbours' by the recorded window
+            window = next(
+                s["result"]["step_window"]
+                for s in result.manifest["recipe"]["steps"]
+                if s["config"]["kind"] == kind
             )
+            lo, hi = window_range(
+                stats[f"{kind}/{layer}.step_min"], stats[f"{kind}/{layer}.step_max"], window
+            )
+            lo, hi = lo.reshape(4, 1), hi.reshape(4, 1)
         scale, offset = activation_params(lo, hi)
         assert torch.equal(scale, tensors[f"{prefix}.input_scale"])
         assert torch.equal(offset, tensors[f"{prefix}.input_offset"])
