@@ -64,14 +64,13 @@ import argparse
 import ast
 import contextlib
 import copy
-import dataclasses
 import json
 import logging
 import math
 import os
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +80,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import quant  # noqa: E402  (bench/quant.py: machine description, timed generation, scoring)
+from cache_methods import FIXED_INTERVALS, METHODS, Method  # noqa: E402, F401  (re-exported)
 
 import sdkiln  # noqa: E402
 from sdkiln.calibrate.loop import PromptLoop  # noqa: E402
@@ -88,15 +88,12 @@ from sdkiln.configs import CacheAutoConfig, RecipeConfig  # noqa: E402
 from sdkiln.model_zoo import get_spec  # noqa: E402
 from sdkiln.model_zoo.fingerprint import weights_hash  # noqa: E402
 from sdkiln.optimizer.cache_layout import block_layout, run_sigmas  # noqa: E402
-from sdkiln.optimizer.cache_search import fixed_interval  # noqa: E402
 from sdkiln.optimizer.evaluate import PSNR_CAP_DB, generate, sample_plan  # noqa: E402
 from sdkiln.runtime.cache import (  # noqa: E402
     BATCHED,
     SCHEDULE_FILE,
     Action,
     CacheSchedule,
-    attach_cache,
-    detach_cache,
 )
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "cache_fmnist.json"
@@ -326,189 +323,6 @@ class Bench:
                 **{**self.base.components, attr: copy.deepcopy(self.transformer)}
             )
         return self._cache_dit_pipe
-
-
-# --- methods ---------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Method:
-    by: str
-    """``sdkiln`` (ours), ``baseline``, ``diffusers`` or ``cache-dit``."""
-    sweep: Callable[[Bench], list[dict[str, Any]]]
-    """The knob values at the bench's step count; ``actions`` in a knob is a schedule to run."""
-    install: Callable[[Bench, dict[str, Any]], contextlib.AbstractContextManager]
-    """Installs one knob value; yields the pipeline to generate with; removes it on exit."""
-    reuses: str = "blocks"
-    """``blocks`` (a reused step skips whole blocks) or ``attention`` (only attention outputs)."""
-    package: str = "diffusers"
-
-
-@contextlib.contextmanager
-def _schedule(bench: Bench, knob: dict[str, Any]):
-    attach_cache(bench.base, bench.schedule(knob["actions"]), bench.spec.transformer_attr)
-    try:
-        yield bench.base
-    finally:
-        detach_cache(bench.transformer)
-
-
-def _ours(bench: Bench) -> list[dict[str, Any]]:
-    return [{"point": i, "actions": p["actions"]} for i, p in enumerate(bench.front())]
-
-
-FIXED_INTERVALS = ((2, 2), (4, 2), (7, 3), (3, 3), (4, 4), (2, 4), (3, 6))
-"""(first, every) at 28 steps: block-evaluation ratios 0.29 to 0.61; ``first`` scales with the steps."""
-
-
-def _fixed(bench: Bench) -> list[dict[str, Any]]:
-    knobs: dict[tuple[str, ...], dict[str, Any]] = {}
-    for first, every in FIXED_INTERVALS:
-        first = max(1, round(first * bench.steps / 28))
-        actions = [str(a) for a in fixed_interval(bench.steps, first, every)]
-        knobs.setdefault(tuple(actions), {"first": first, "every": every, "actions": actions})
-    return list(knobs.values())
-
-
-def _diffusers(make: Callable[[Bench, dict[str, Any]], Any]):
-    @contextlib.contextmanager
-    def install(bench: Bench, knob: dict[str, Any]):
-        bench.transformer.enable_cache(make(bench, knob))
-        try:
-            yield bench.base
-        finally:
-            bench.transformer.disable_cache()
-
-    return install
-
-
-def _fbc(bench, knob):
-    from diffusers.hooks import FirstBlockCacheConfig
-
-    return FirstBlockCacheConfig(**knob)
-
-
-def _magcache(bench, knob):
-    from diffusers.hooks import MagCacheConfig
-
-    return MagCacheConfig(num_inference_steps=bench.steps, mag_ratios=bench.mag_ratios(), **knob)
-
-
-def _taylorseer(lite: bool):
-    def make(bench, knob):
-        from diffusers.hooks import TaylorSeerCacheConfig
-
-        # float32 factors: the model runs in float32 (the default stores them in bfloat16)
-        return TaylorSeerCacheConfig(taylor_factors_dtype=torch.float32, use_lite_mode=lite, **knob)
-
-    return make
-
-
-def _pab(bench, knob):
-    from diffusers.hooks import PyramidAttentionBroadcastConfig
-
-    return PyramidAttentionBroadcastConfig(current_timestep_callback=bench.current_timestep, **knob)
-
-
-def _fastercache(attention_only: bool):
-    def make(bench, knob):
-        from diffusers.hooks import FasterCacheConfig
-
-        # is_guidance_distilled turns off the unconditional-branch approximation, leaving the
-        # attention reuse; the default keeps both.
-        return FasterCacheConfig(
-            current_timestep_callback=bench.current_timestep, is_guidance_distilled=attention_only, **knob
-        )
-
-    return make
-
-
-def _seacache(bench, knob):
-    from diffusers.hooks import SeaCacheConfig
-
-    return SeaCacheConfig(**knob)
-
-
-@contextlib.contextmanager
-def _cache_dit(bench: Bench, knob: dict[str, Any]):
-    os.environ.setdefault("CACHE_DIT_LOG_LEVEL", "error")  # it logs to stdout, which has the table
-    import cache_dit
-    from cache_dit import BlockAdapter, DBCacheConfig, ForwardPattern
-    from cache_dit.caching.patch_functors import FluxPatchFunctor
-
-    pipe = bench.cache_dit_pipe()
-    transformer = getattr(pipe, bench.spec.transformer_attr)
-    # cache-dit's own adapter for FluxPipeline (``flux_adapter``), which it does not apply to a
-    # pipeline class it does not know: one stack of both block lists, the single blocks as dummies.
-    adapter = BlockAdapter(
-        pipe=pipe,
-        transformer=transformer,
-        blocks=transformer.transformer_blocks + transformer.single_transformer_blocks,
-        blocks_name="transformer_blocks",
-        dummy_blocks_names=["single_transformer_blocks"],
-        patch_functor=FluxPatchFunctor(),
-        forward_pattern=ForwardPattern.Pattern_1,
-    )
-    config = DBCacheConfig(Fn_compute_blocks=1, Bn_compute_blocks=0, num_inference_steps=bench.steps, **knob)
-    cache_dit.enable_cache(adapter, cache_config=config)
-    try:
-        yield pipe
-    finally:
-        cache_dit.disable_cache(pipe)
-
-
-METHODS: dict[str, Method] = {
-    "sdkiln-cache-auto": Method("sdkiln", _ours, _schedule, package="sdkiln"),
-    "fixed-interval": Method("baseline", _fixed, _schedule, package="sdkiln"),
-    "diffusers-fbc": Method(
-        "diffusers", lambda b: [{"threshold": t} for t in (0.05, 0.1, 0.2, 0.3, 0.5)], _diffusers(_fbc)
-    ),
-    "diffusers-magcache": Method(
-        "diffusers",
-        lambda b: (
-            [{"threshold": t} for t in (0.02, 0.06, 0.12, 0.25)]
-            + [{"threshold": 0.3, "max_skip_steps": 5, "retention_ratio": 0.1}]
-        ),
-        _diffusers(_magcache),
-    ),
-    "diffusers-taylorseer-lite": Method(
-        "diffusers", lambda b: [{"cache_interval": k} for k in (2, 3, 4, 5, 6)], _diffusers(_taylorseer(True))
-    ),
-    "diffusers-taylorseer": Method(
-        "diffusers",
-        lambda b: [{"cache_interval": 3}],
-        _diffusers(_taylorseer(False)),
-        reuses="attention",
-    ),
-    "diffusers-pab": Method(
-        "diffusers",
-        lambda b: [{"spatial_attention_block_skip_range": k} for k in (2, 4)],
-        _diffusers(_pab),
-        reuses="attention",
-    ),
-    "diffusers-fastercache": Method(
-        "diffusers",
-        lambda b: [{"spatial_attention_block_skip_range": 2}],
-        _diffusers(_fastercache(False)),
-        reuses="attention",
-    ),
-    "diffusers-fastercache-attention": Method(
-        "diffusers",
-        lambda b: [{"spatial_attention_block_skip_range": 2}],
-        _diffusers(_fastercache(True)),
-        reuses="attention",
-    ),
-    "diffusers-seacache": Method("diffusers", lambda b: [{"threshold": 0.25}], _diffusers(_seacache)),
-    "cache-dit-dbcache": Method(
-        "cache-dit",
-        lambda b: (
-            [{"residual_diff_threshold": t} for t in (0.08, 0.15, 0.25, 0.4)]
-            + [{"residual_diff_threshold": t, "max_warmup_steps": 4} for t in (0.25, 0.4, 0.6)]
-        ),
-        _cache_dit,
-        package="cache-dit",
-    ),
-}
 
 
 def _hooks_left(transformer: nn.Module) -> list[str]:

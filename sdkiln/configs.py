@@ -289,7 +289,7 @@ class CacheAutoConfig(StepConfig):
 
     The schedule runs ``actions`` (``skip``, ``partial:F:B``) for at most ``max_reuse`` steps in a row
     after a full step; the first ``min_full`` steps and the last step are full. Candidates come from
-    ``lambdas`` prices of error in the search's dynamic program and from the fixed-interval family;
+    ``budgets`` block-evaluation budgets in the search's dynamic program and from the fixed-interval family;
     each is confirmed end to end on ``calib_samples`` calibration samples, then up to ``refine`` more
     confirmations (``refine_tries`` neighbours per round) refine the cheapest one meeting the floor.
     The chosen schedule is the cheapest confirmed one whose mean PSNR against the uncached model on
@@ -307,7 +307,7 @@ class CacheAutoConfig(StepConfig):
     psnr_p5_floor_db: float = 25.0
     calib_samples: int = 4
     eval_samples: int = 8
-    lambdas: int = 12
+    budgets: int = 16
     refine: int = 12
     refine_tries: int = 3
     steps: int | None = None
@@ -328,8 +328,8 @@ class CacheAutoConfig(StepConfig):
             raise ValueError("max_reuse and min_full must be >= 1")
         if self.calib_samples < 1 or self.eval_samples < 1:
             raise ValueError("calib_samples and eval_samples must be >= 1")
-        if self.lambdas < 1 or self.refine < 0 or self.refine_tries < 1:
-            raise ValueError("need lambdas >= 1, refine >= 0 and refine_tries >= 1")
+        if self.budgets < 1 or self.refine < 0 or self.refine_tries < 1:
+            raise ValueError("need budgets >= 1, refine >= 0 and refine_tries >= 1")
         if self.steps is not None and self.steps < 3:
             raise ValueError("a cache schedule needs at least 3 steps")
 

@@ -10,8 +10,9 @@ other step full, ``cache_search.Search.measure_segments``):
 
 A segment's predicted contribution to the final error is ``local[seg] * gain[s + L]``: errors made
 late count at full weight, errors that later full steps pull back count less. A schedule's predicted
-error is the sum over its segments (a conservative model for errors that add coherently). The
-prediction ranks candidates; ``cache_search`` confirms every candidate end to end before it counts.
+error is the sum over its segments (a conservative model for errors that add coherently). ``solve``
+finds the schedule of least predicted error within a block-evaluation budget; the prediction only
+ranks candidates: ``cache_search`` confirms every candidate end to end before it counts.
 """
 
 from __future__ import annotations
@@ -96,46 +97,65 @@ class ErrorModel:
             fulls += a == FULL
         return True
 
-    def solve(self, lam: float) -> list[Action]:
-        """The schedule minimizing block evaluations + ``lam`` x predicted final error (dynamic
-        programming over the full steps)."""
-        t, n = self.num_steps, self.num_blocks
-        best = [math.inf] * t  # best[i]: cost of steps i..t-1 given step i is full
-        choice: list[Segment | None] = [None] * t
-        best[t - 1] = n
-        by_start: dict[int, list[Segment]] = {}
+    def _by_start(self) -> dict[int, list[Segment]]:
+        out: dict[int, list[Segment]] = {}
         for seg in self.local:
-            by_start.setdefault(seg.start, []).append(seg)
+            if seg.length <= self.max_reuse and seg.end + 1 <= self.num_steps - 1:
+                out.setdefault(seg.start, []).append(seg)
+        return out
+
+    def solve(self, max_cost: int) -> list[Action] | None:
+        """The schedule with the least predicted final error among those of at most ``max_cost``
+        block evaluations (dynamic programming over the full steps and the cost spent), None when
+        no schedule within the constraints is that cheap."""
+        t, n = self.num_steps, self.num_blocks
+        by_start = self._by_start()
+        # best[i][c]: (least predicted error, first segment or None for "next step full") of steps
+        # i .. t-1 given step i is full, spending exactly c block evaluations on them.
+        best: list[dict[int, tuple[float, Segment | None]]] = [{} for _ in range(t)]
+        best[t - 1] = {n: (0.0, None)}
         for i in range(t - 2, -1, -1):
-            best[i], choice[i] = n + best[i + 1], None
-            if i < self.min_full - 1:
-                continue
-            for seg in by_start.get(i, ()):
-                if seg.end + 1 > t - 1 or seg.length > self.max_reuse:
-                    continue
-                cost = n + seg.length * seg.action.block_evaluations(n) + lam * self.final(seg)
-                cost += best[seg.end + 1]
-                if cost < best[i]:
-                    best[i], choice[i] = cost, seg
+            table: dict[int, tuple[float, Segment | None]] = {}
+            options = [(n, 0.0, i + 1, None)]
+            if i >= self.min_full - 1:
+                options += [
+                    (n + s.length * s.action.block_evaluations(n), self.final(s), s.end + 1, s)
+                    for s in by_start.get(i, ())
+                ]
+            for head, err, nxt, seg in options:
+                for c, (e, _) in best[nxt].items():
+                    cost = head + c
+                    if cost <= max_cost and (cost not in table or err + e < table[cost][0]):
+                        table[cost] = (err + e, seg)
+            best[i] = table
+        if not best[0]:
+            return None
+        cost = min(best[0], key=lambda c: (best[0][c][0], c))
         actions, i = [FULL] * t, 0
         while i < t - 1:
-            seg = choice[i]
+            _, seg = best[i][cost]
             if seg is None:
-                i += 1
+                cost, i = cost - n, i + 1
                 continue
             actions[i + 1 : seg.end + 1] = [seg.action] * seg.length
+            cost -= n + seg.length * seg.action.block_evaluations(n)
             i = seg.end + 1
         return actions
 
-    def lambdas(self, count: int, span: float = 1e4) -> list[float]:
-        """``count`` prices of error on a geometric grid centred where one median segment's predicted
-        error costs as much as one full step: from ``1/sqrt(span)`` to ``sqrt(span)`` times that."""
-        finals = sorted(self.final(s) for s in self.local if self.final(s) > 0)
-        if not finals:
-            return [float(self.num_blocks)]
-        centre = self.num_blocks / finals[len(finals) // 2]
-        lo = centre / math.sqrt(span)
-        return [lo * span ** (i / (count - 1)) for i in range(count)] if count > 1 else [centre]
+    def budgets(self, count: int) -> list[int]:
+        """``count`` block-evaluation budgets evenly spaced from the cheapest schedule the constraints
+        allow (with measured segments) to all-full."""
+        full = self.num_steps * self.num_blocks
+        lo, hi = 0, full
+        while lo < hi:  # the least budget with a solution
+            mid = (lo + hi) // 2
+            if self.solve(mid) is None:
+                lo = mid + 1
+            else:
+                hi = mid
+        if count < 2:
+            return [lo]
+        return sorted({round(lo + (full - lo) * k / (count - 1)) for k in range(count)})
 
     def cheaper_neighbours(self, actions: list[Action], actions_set: list[Action]) -> list[list[Action]]:
         """Schedules one move cheaper than ``actions`` that the model can price, best predicted first:

@@ -11,10 +11,11 @@
    every L at once (a run's first L steps do not depend on what follows). The first action's runs
    continue full to the last step, which measures how an error after step j grows or shrinks by the
    final latents (the gain of step j). A segment's predicted final error is local x gain.
-3. **Candidates.** Dynamic programming over the full steps minimizes block evaluations + lambda x
-   (summed predicted final error) for ``lambdas`` prices of error (the first ``min_full`` steps and
-   the last step full, at most ``max_reuse`` reuse steps in a row); the fixed-interval schedules
-   within the same constraints join them, and all-full.
+3. **Candidates.** Dynamic programming over the full steps and the block evaluations spent finds,
+   for each of ``budgets`` budgets evenly spaced from the cheapest allowed schedule to all-full, the
+   schedule of least predicted final error within it (the first ``min_full`` steps and the last step
+   full, at most ``max_reuse`` reuse steps in a row); the fixed-interval schedules within the same
+   constraints join them, and all-full.
 4. **Confirmation and refinement.** Every candidate runs end to end on the calibration samples: PSNR
    of the decoded images and relative L2 of the final latents against the uncached run (mean and
    5th/95th percentiles). From the cheapest schedule meeting the floor (mean PSNR >=
@@ -106,7 +107,7 @@ class Search:
         planned = sum(stop - s + 1 + a.extrapolate for s, a, _, stop in jobs)
         tqdm.write(
             f"cache search: {len(jobs)} segment runs, {planned} steps of the calibration batch, about "
-            f"{planned * seconds_per_step:.0f} s, then up to {self.config.lambdas + self.config.refine + 12} "
+            f"{planned * seconds_per_step:.0f} s, then up to {self.config.budgets + self.config.refine + 12} "
             f"end-to-end runs of {t} steps (about {t * seconds_per_step:.0f} s each)"
         )
         gains: dict[int, list[float]] = {}
@@ -255,7 +256,8 @@ def apply_cache_auto(ctx: StepContext, config: CacheAutoConfig) -> StepResult:
     call = ctx.spec.call_kwargs(steps=config.steps)
     ref_images, ref_latents = generate(ctx.pipeline, call, prompts, seeds, len(prompts), "uncached")
     confirmed = Confirmed(search, prompts, seeds, ref_images, ref_latents)
-    candidates = [(model.solve(lam), f"dp lambda={lam:.4g}") for lam in model.lambdas(config.lambdas)]
+    full = search.num_steps * search.num_blocks
+    candidates = [(model.solve(b), f"dp budget={b / full:.3f}") for b in model.budgets(config.budgets)]
     candidates += [(a, "fixed interval") for a in fixed_family(model, search.actions)]
     candidates.append(([FULL] * search.num_steps, "all full"))
     with tqdm(desc="cache schedules", unit="run", leave=False) as bar:
@@ -285,8 +287,9 @@ def apply_cache_auto(ctx: StepContext, config: CacheAutoConfig) -> StepResult:
     schedule.expected = expected | {"prompts": eval_prompts, "seeds": eval_seeds}
     schedule.search = {
         "objective": (
-            "block evaluations + lambda * predicted final error (sum over segments of the measured relative L2 "
-            "after the segment times the measured gain of that step to the final latents)"
+            "least predicted final error within each block-evaluation budget (predicted error: sum over "
+            "segments of the measured relative L2 after the segment times the measured gain of that step "
+            "to the final latents), confirmed end to end"
         ),
         "constraints": {"min_full": config.min_full, "max_reuse": config.max_reuse, "last_step": "full"},
         "actions": list(config.actions),

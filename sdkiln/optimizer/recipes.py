@@ -43,7 +43,7 @@ NAMED_RECIPES: dict[str, Callable[[], list[StepConfig]]] = {
             max_reuse=5,
             calib_samples=8,
             eval_samples=16,
-            lambdas=24,
+            budgets=32,
             refine=40,
         )
     ],

@@ -43,29 +43,32 @@ def _model(errors, gain=None, steps=STEPS, blocks=4, max_reuse=2, min_full=1):
 SKIP, PART = Action.parse("skip"), Action.parse("partial:1:1")
 
 
-def test_dp_picks_the_cheapest_schedule_under_the_error_price():
+def test_dp_finds_the_least_predicted_error_within_each_budget():
     segs = [Segment(s, L, a) for s in range(STEPS - 2) for L in (1, 2) for a in (SKIP, PART)]
     model = _model({k: (1.0 if k.start == 0 else 0.01) for k in segs})
     n = model.num_blocks
-    free = model.solve(lam=1.0)  # error nearly free: skip as much as the constraints allow
-    assert free[0] == FULL and free[-1] == FULL
-    assert all(run <= 2 for run in _non_full_runs(free))
-    assert sum(a != FULL for a in free) == 3  # full, skip, skip, full, skip, full: 6 steps
-    assert model.solve(lam=1e9) == [FULL] * STEPS  # error priceless: everything full
-    costly_start = model.solve(lam=float(n) * 10)  # the segment from step 0 costs 10 blocks of error
-    assert costly_start[1] == FULL
+    assert model.budgets(1) == [3 * n]  # three full steps: full, reuse x2, full, reuse, full
+    cheapest = model.solve(3 * n)
+    assert cheapest[0] == FULL and cheapest[-1] == FULL and model.cost(cheapest) == 3 * n
+    assert all(run <= 2 for run in _non_full_runs(cheapest))
+    assert model.solve(3 * n - 1) is None  # nothing within the constraints is cheaper
+    assert model.solve(STEPS * n) == [FULL] * STEPS  # enough budget: no error at all
+    one_skip = model.solve(5 * n)  # one step may reuse: never right after step 0 (error 1.0)
+    assert model.cost(one_skip) <= 5 * n and one_skip[1] == FULL
+    assert model.predict(one_skip) == pytest.approx(0.01)
+    budgets = model.budgets(4)
+    assert budgets[0] == 3 * n and budgets[-1] == STEPS * n and budgets == sorted(budgets)
 
 
 def test_gain_weights_late_errors_more():
-    """Equal local errors everywhere; errors after late steps reach the output at full weight, early
-    ones are damped: at a price where only a damped segment pays, the reuse lands early."""
+    """Equal local errors everywhere; errors after early steps are damped by the later ones (gain
+    0.01), so the one reuse a budget allows lands early."""
     segs = {Segment(s, 1, SKIP): 0.1 for s in range(STEPS - 2)}
     gain = [0.01 if j <= 2 else 1.0 for j in range(STEPS)]
-    actions = _model(segs, gain, max_reuse=1).solve(lam=100.0)  # a full step costs 4: 0.1*1*100 > 4
-    assert [str(a) for a in actions] == ["full", "skip", "full", "full", "full", "full"] or [
-        str(a) for a in actions
-    ] == ["full", "full", "skip", "full", "full", "full"]
-    assert _model(segs, gain, max_reuse=1).predict(actions) == pytest.approx(0.001)
+    model = _model(segs, gain, max_reuse=1)
+    actions = model.solve(5 * model.num_blocks)
+    assert sum(a != FULL for a in actions) == 1 and actions.index(SKIP) in (1, 2)
+    assert model.predict(actions) == pytest.approx(0.001)
 
 
 def test_model_prices_only_what_it_measured():
@@ -112,7 +115,7 @@ def test_cache_auto_writes_a_schedule_the_loaded_package_follows(flux_tiny, tmp_
                 steps=STEPS,
                 calib_samples=2,
                 eval_samples=2,
-                lambdas=4,
+                budgets=4,
                 refine=2,
                 psnr_floor_db=0.0,
                 psnr_p5_floor_db=0.0,
