@@ -34,7 +34,6 @@ import time
 from typing import Any
 
 import numpy as np
-import torch
 from tqdm.auto import tqdm
 
 from sdkiln.calibrate.cache_profile import HEATMAP_FILE, PROFILE_FILE, heatmap_png, profile
@@ -59,11 +58,6 @@ from sdkiln.runtime.cache import (
 
 EVAL_SEED = 10_000
 """Held-out samples use the eval prompts with seeds from here, disjoint from calibration seeds."""
-
-
-def _rel_l2(a: torch.Tensor, b: torch.Tensor) -> np.ndarray:
-    a, b = a.flatten(1).double(), b.flatten(1).double()
-    return ((a - b).norm(dim=1) / b.norm(dim=1).clamp_min(1e-12)).numpy()
 
 
 class Search:
@@ -122,11 +116,11 @@ class Search:
                 detach_cache(self.ctx.transformer)
             for n in range(1, length + 1):  # after[n]: the latents after step s + n
                 self.model.local[Segment(s, n, action)] = float(
-                    _rel_l2(after[n], reference[s + n + 1]).mean()
+                    metrics.rel_l2(after[n], reference[s + n + 1]).mean()
                 )
             if stop == t - 1:
                 local = self.model.local[Segment(s, length, action)]
-                final = float(_rel_l2(after[-1], reference[t]).mean())
+                final = float(metrics.rel_l2(after[-1], reference[t]).mean())
                 if local > 0:
                     gains.setdefault(s + length, []).append(final / local)
         self.model.gain = fill_gaps({j: float(np.mean(g)) for j, g in gains.items()}, t)
@@ -143,7 +137,7 @@ class Search:
         finally:
             detach_cache(self.ctx.transformer)
         psnr = np.minimum(metrics.psnr(images, reference_images), PSNR_CAP_DB)
-        rel = _rel_l2(latents, reference_latents)
+        rel = metrics.rel_l2(latents, reference_latents)
         return {
             "actions": [str(a) for a in actions],
             "block_evaluations_ratio": schedule.block_evaluations_ratio(),
@@ -240,11 +234,10 @@ def refine(confirmed: Confirmed, start: list[Action], config: CacheAutoConfig, b
     while used < config.refine:
         moved = False
         for trial in model.cheaper_neighbours(current, search.actions)[: config.refine_tries]:
-            if key(trial) in confirmed.points:
-                point = confirmed.points[key(trial)]
-            else:
-                point, used = confirmed(trial, "refine"), used + 1
+            if key(trial) not in confirmed.points:
+                used += 1
                 bar.update()
+            point = confirmed(trial, "refine")  # confirmed once; a repeat is looked up
             if _feasible(point, config):
                 current, moved = trial, True
                 break
