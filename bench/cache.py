@@ -64,6 +64,7 @@ import argparse
 import ast
 import contextlib
 import copy
+import dataclasses
 import json
 import logging
 import math
@@ -89,6 +90,7 @@ from sdkiln.model_zoo import get_spec  # noqa: E402
 from sdkiln.model_zoo.fingerprint import weights_hash  # noqa: E402
 from sdkiln.optimizer.cache_layout import block_layout, run_sigmas  # noqa: E402
 from sdkiln.optimizer.evaluate import PSNR_CAP_DB, generate, sample_plan  # noqa: E402
+from sdkiln.optimizer.recipes import resolve_recipe  # noqa: E402
 from sdkiln.runtime.cache import (  # noqa: E402
     BATCHED,
     SCHEDULE_FILE,
@@ -185,8 +187,18 @@ class Bench:
     """One step count: the base pipeline, the held-out plan, the uncached reference, and what the
     methods calibrate or search once (MagCache's ratios, our front, cache-dit's pipeline copy)."""
 
-    def __init__(self, spec, base, steps: int, prompts, seeds, batch_size: int, calib_samples: int):
-        self.spec, self.base, self.steps = spec, base, steps
+    def __init__(
+        self,
+        spec,
+        base,
+        steps: int,
+        prompts,
+        seeds,
+        batch_size: int,
+        calib_samples: int,
+        recipe: str = "cache-auto",
+    ):
+        self.spec, self.base, self.steps, self.recipe = spec, base, steps, recipe
         self.transformer = getattr(base, spec.transformer_attr)
         self.call = spec.call_kwargs(steps=steps)
         self.prompts, self.seeds, self.batch_size = prompts, seeds, batch_size
@@ -255,10 +267,13 @@ class Bench:
         )
 
     def front(self) -> list[dict[str, Any]]:
-        """Our search's front at this step count (``sdkiln.optimize`` with a ``cache_auto`` step)."""
+        """Our search's front at this step count: ``sdkiln.optimize`` with the recipe's ``cache_auto``
+        step, searched for this step count on ``calib_samples`` calibration samples (as MagCache's)."""
         if self._front is None:
             started = time.perf_counter()
-            recipe = RecipeConfig(name="cache-auto", steps=[CacheAutoConfig(steps=self.steps)])
+            (step,) = [s for s in resolve_recipe(self.recipe).steps if isinstance(s, CacheAutoConfig)]
+            step = dataclasses.replace(step, steps=self.steps, calib_samples=self.calib_samples)
+            recipe = RecipeConfig(name=self.recipe, steps=[step])
             result = sdkiln.optimize(self.base, recipe, out_dir=None, eval_samples=0)
             schedule = result.files[SCHEDULE_FILE]
             if schedule["num_steps"] != self.steps:
@@ -450,6 +465,7 @@ def run(
     batch_size: int = 16,
     calib_samples: int | None = None,
     timing_repeats: int = 2,
+    recipe: str = "cache-auto",
     knobs: dict[str, list[dict[str, Any]]] | None = None,
 ) -> dict[str, Any]:
     """Measure ``methods`` on ``model`` at every step count; returns the report ``main`` writes.
@@ -459,6 +475,7 @@ def run(
         raise ValueError(f"unknown methods {unknown}; known: {', '.join(METHODS)}")
     started, load_at_start = time.perf_counter(), os.getloadavg()
     calib_samples = calib_samples or CacheAutoConfig().calib_samples
+    resolve_recipe(recipe)  # an unknown recipe fails before the first run
     spec = get_spec(model)
     base = spec.build()
     prompts, seeds = sample_plan(spec, num_samples, seed)
@@ -469,7 +486,7 @@ def run(
     rows: list[dict[str, Any]] = []
     per_steps: dict[str, Any] = {}
     for n in steps:
-        bench = Bench(spec, base, n, prompts, seeds, batch_size, calib_samples)
+        bench = Bench(spec, base, n, prompts, seeds, batch_size, calib_samples, recipe)
         bench.run_reference()
         print(f"{n} steps, uncached: {_line(bench.reference)}", file=sys.stderr)
         for name in methods:
@@ -493,6 +510,7 @@ def run(
             "batch_size": batch_size,
             "prompts": sorted(set(prompts)),
             "calibration": {"samples": calib_samples, "prompts": "spec.calibration_prompts via PromptLoop"},
+            "recipe": recipe,
             "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
             "torch_threads": torch.get_num_threads(),
             "load_average_1_5_15min": {"start": load_at_start, "end": os.getloadavg()},
@@ -711,7 +729,15 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--seed", type=int, default=20_000)
     parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--calib-samples", type=int, default=None, help="default: cache_auto's")
+    parser.add_argument(
+        "--calib-samples",
+        type=int,
+        default=None,
+        help="for our search and MagCache's calibration; default: cache_auto's",
+    )
+    parser.add_argument(
+        "--recipe", default="cache-auto", help="the recipe whose cache_auto step makes our front"
+    )
     parser.add_argument("--timing-repeats", type=int, default=2)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--chart", type=Path, default=DEFAULT_CHART)
@@ -730,6 +756,7 @@ def main(argv: list[str] | None = None) -> None:
         args.batch_size,
         args.calib_samples,
         args.timing_repeats,
+        recipe=args.recipe,
     )
     report["command"] = " ".join(["python", "bench/cache.py", *(argv if argv is not None else sys.argv[1:])])
     args.out.parent.mkdir(parents=True, exist_ok=True)

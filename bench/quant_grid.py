@@ -1,4 +1,4 @@
-"""A/B of the symmetric int8 weight grid, narrow against full (torchao's), on the embedded model.
+"""A/B of the symmetric int8 grids, narrow against full (torchao's), on the embedded model.
 
 bench/quant.py found torchao a little ahead of our W8A8_DYNAMIC and W8A16 end to end while the
 per-layer SQNR was the same or ours was better. The one difference in the weights is the grid:
@@ -10,7 +10,12 @@ per-layer SQNR was the same or ours was better. The one difference in the weight
 Since sdkiln adopted the full grid, ``narrow`` is the variant patched in here (both are patched
 explicitly, so the script measures the same thing before and after the switch).
 
-This script runs both grids inside our own modules (everything else unchanged) beside torchao's two
+The same two grids exist for the per-token activations of W8A8_DYNAMIC: sdkiln's
+``quantize_per_token_int8`` uses ``narrow`` (as Ascend's ``npu_dynamic_quant``: absmax / 127);
+torchao 0.18's ``Int8Tensor`` uses ``full`` for activations too. ``--activations`` adds the variant
+with both grids full (``dynamic/full+act-full``), which computes what torchao computes.
+
+This script runs the grids inside our own modules (everything else unchanged) beside torchao's two
 configs, on several seed sets, and prints each pair's paired 95 % CI of the PSNR difference (against
 the float model's images), so the question "does the grid matter end to end?" is answered by data.
 
@@ -58,6 +63,30 @@ def narrow_grid(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 GRIDS = {"narrow": narrow_grid, "full": full_grid}
 
 
+def full_grid_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The full grid per token (last dim): (int8 values in [-128, 127], fp32 scale [..., 1])."""
+    xf = x.float()
+    scale = xf.abs().amax(dim=-1, keepdim=True) / 127.5
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    return torch.round(xf / scale).clamp_(-128, 127).to(torch.int8), scale
+
+
+def full_activation_grid(transformer: torch.nn.Module) -> int:
+    """Make every W8A8_DYNAMIC layer of ``transformer`` quantize its input on the full grid; returns
+    how many it changed."""
+    from sdkiln import kernels
+
+    layers = [m for m in transformer.modules() if isinstance(m, w8a8_dynamic.W8A8Linear)]
+    for layer in layers:
+
+        def forward(x, layer=layer):
+            x_q, x_scale = full_grid_per_token(x)
+            return kernels.w8a8_linear(x_q, x_scale, layer.weight, layer.weight_scale, layer.bias, x.dtype)
+
+        layer.forward = forward
+    return len(layers)
+
+
 @contextlib.contextmanager
 def grid(name: str):
     """Within the block, our W8A8_DYNAMIC and W8A16 modules quantize weights on grid ``name``."""
@@ -91,6 +120,11 @@ VARIANTS = {
     "weight-only/full": ("w8a16", "full"),
     "weight-only/torchao": ("torchao-int8-weight-only", None),
 }
+ACTIVATION_VARIANTS = {"dynamic/full+act-full": ("w8a8-dynamic", "full")}
+ACTIVATION_PAIRS = (
+    ("dynamic/full+act-full", "dynamic/full"),
+    ("dynamic/full+act-full", "dynamic/torchao"),
+)
 PAIRS = (
     ("dynamic/full", "dynamic/narrow"),
     ("dynamic/narrow", "dynamic/torchao"),
@@ -112,16 +146,22 @@ def paired(a: np.ndarray, b: np.ndarray) -> dict[str, Any]:
     }
 
 
-def run(seed_sets: list[int], num_samples: int, batch_size: int) -> dict[str, Any]:
+def run(
+    seed_sets: list[int], num_samples: int, batch_size: int, activations: bool = False, prefix: str = ""
+) -> dict[str, Any]:
     spec = get_spec("fmnist-flux")
     base = spec.build()
     call = spec.call_kwargs()
     names, _ = block_linears(StepContext(base, spec, None))
+    variants = VARIANTS | (ACTIVATION_VARIANTS if activations else {})
+    variants = {v: m for v, m in variants.items() if v.startswith(prefix)}
     pipes = {}
-    for variant, (method, grid_name) in VARIANTS.items():
+    for variant, (method, grid_name) in variants.items():
         with grid(grid_name) if grid_name else contextlib.nullcontext():
             pipes[variant] = quant._prepare(method, base, spec, names, call["num_inference_steps"])[0]
-    psnr: dict[str, list[float]] = {v: [] for v in VARIANTS}
+        if variant in ACTIVATION_VARIANTS:
+            assert full_activation_grid(getattr(pipes[variant], spec.transformer_attr)) > 0
+    psnr: dict[str, list[float]] = {v: [] for v in variants}
     sets = []
     for seed in seed_sets:
         prompts, seeds = sample_plan(spec, num_samples, seed)
@@ -141,13 +181,18 @@ def run(seed_sets: list[int], num_samples: int, batch_size: int) -> dict[str, An
         "settings": {
             "num_samples_per_set": num_samples,
             "seed_sets": seed_sets,
+            "variants": list(variants),
             "steps": call["num_inference_steps"],
             "torch_threads": torch.get_num_threads(),
         },
         "machine": quant.machine(),
         "per_seed_set": sets,
         "mean_psnr": {v: float(a.mean()) for v, a in arrays.items()},
-        "pairs": {f"{a} - {b}": paired(arrays[a], arrays[b]) for a, b in PAIRS},
+        "pairs": {
+            f"{a} - {b}": paired(arrays[a], arrays[b])
+            for a, b in PAIRS + (ACTIVATION_PAIRS if activations else ())
+            if a in arrays and b in arrays
+        },
     }
 
 
@@ -157,9 +202,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-samples", type=int, default=100)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--activations", action="store_true", help="add the full activation grid variant")
+    parser.add_argument(
+        "--only", default="", help="run the variants whose name starts with this (dynamic/...)"
+    )
     args = parser.parse_args(argv)
     start = time.perf_counter()
-    report = run(args.seeds, args.num_samples, args.batch_size)
+    report = run(args.seeds, args.num_samples, args.batch_size, args.activations, args.only)
     report["total_seconds"] = time.perf_counter() - start
     report["command"] = " ".join(
         ["python", "bench/quant_grid.py", *(argv if argv is not None else sys.argv[1:])]

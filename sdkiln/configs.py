@@ -312,6 +312,11 @@ class CacheAutoConfig(StepConfig):
     refine_tries: int = 3
     steps: int | None = None
     """Denoising steps the schedule is searched for; None for the family's deployment default."""
+    guard: bool = False
+    """Ship a guard (``runtime.cache.guard``): a reuse step whose stack input changed more than
+    ``guard_quantile`` of the calibration samples' change at that step times ``guard_margin`` runs full."""
+    guard_quantile: float = 1.0
+    guard_margin: float = 1.5
 
     def __post_init__(self) -> None:
         from sdkiln.runtime.cache.schedule import Action  # the runtime owns the action grammar
@@ -332,6 +337,8 @@ class CacheAutoConfig(StepConfig):
             raise ValueError("need budgets >= 1, refine >= 0 and refine_tries >= 1")
         if self.steps is not None and self.steps < 3:
             raise ValueError("a cache schedule needs at least 3 steps")
+        if not 0.0 < self.guard_quantile <= 1.0 or self.guard_margin < 1.0:
+            raise ValueError("need 0 < guard_quantile <= 1 and guard_margin >= 1")
 
 
 @dataclass

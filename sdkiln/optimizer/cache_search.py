@@ -55,6 +55,8 @@ from sdkiln.runtime.cache import (
     attach_cache,
     detach_cache,
 )
+from sdkiln.runtime.cache.guard import Guard
+from sdkiln.runtime.cache.guard import calibrate as guard_thresholds
 
 EVAL_SEED = 10_000
 """Held-out samples use the eval prompts with seeds from here, disjoint from calibration seeds."""
@@ -127,9 +129,10 @@ class Search:
         return self.model
 
     def confirm(
-        self, actions: list[Action], prompts, seeds, reference_images, reference_latents
+        self, actions: list[Action], prompts, seeds, reference_images, reference_latents, guards=None
     ) -> dict[str, Any]:
         schedule = self.schedule(actions)
+        schedule.guards = guards or {}
         call = self.ctx.spec.call_kwargs(steps=self.config.steps)
         runner = attach_cache(self.ctx.pipeline, schedule, self.ctx.spec.transformer_attr)
         try:
@@ -147,31 +150,61 @@ class Search:
             "rel_l2_mean": float(rel.mean()),
             "rel_l2_p95": float(np.percentile(rel, 95)),
             "ssim_mean": float(metrics.ssim(images, reference_images).mean()),
-        }
+        } | ({"guard": {"checks": runner.guard_checks, "forced": runner.guard_forced}} if guards else {})
+
+    def calibrate_guard(self, actions: list[Action], prompts, seeds) -> Guard:
+        """Guard thresholds for ``actions``: the schedule runs on the calibration samples recording the
+        input change at every reuse step; each step's threshold is ``guard_quantile`` of the values
+        times ``guard_margin``."""
+        recorder = Guard(record=True)
+        call = self.ctx.spec.call_kwargs(steps=self.config.steps)
+        attach_cache(
+            self.ctx.pipeline, self.schedule(actions), self.ctx.spec.transformer_attr, guard=recorder
+        )
+        try:
+            generate(self.ctx.pipeline, call, prompts, seeds, len(prompts), "guard")
+        finally:
+            detach_cache(self.ctx.transformer)
+        return guard_thresholds(
+            recorder.values, self.num_steps, self.config.guard_quantile, self.config.guard_margin
+        )
 
 
-def fixed_interval(num_steps: int, first: int, every: int, action: Action | None = None) -> list[Action]:
+def fixed_interval(
+    num_steps: int, first: int, every: int, action: Action | None = None, from_end: bool = False
+) -> list[Action]:
     """The FORA-style baseline: steps ``0 .. first-1`` full, then every ``every``-th step full, the
-    last step full, the others ``action`` (default ``skip``)."""
+    last step full, the others ``action`` (default ``skip``). ``from_end`` counts the period back from
+    the last step instead of forward from ``first`` (the two phases differ when ``every`` does not
+    divide the steps left)."""
     reuse = action or Action("skip")
-    return [
-        FULL if s < first or (s - first) % every == 0 or s == num_steps - 1 else reuse
-        for s in range(num_steps)
-    ]
+    last = num_steps - 1
+
+    def full(s: int) -> bool:
+        return s < first or s == last or ((last - s) if from_end else (s - first)) % every == 0
+
+    return [FULL if full(s) else reuse for s in range(num_steps)]
 
 
 def fixed_family(model: ErrorModel, actions: list[Action]) -> list[list[Action]]:
-    """The fixed-interval schedules within the search's constraints (first k full, then every n-th),
-    each with the reuse action the model predicts best for it: candidates beside the DP's, so the
-    search never returns less than the baselines give."""
-    out = []
-    for first in sorted({model.min_full, 2, 4}):
+    """The fixed-interval schedules within the search's constraints (first k full, then every n-th,
+    counted from either end), each with the reuse action the model predicts best for it: candidates
+    beside the DP's, so the search never returns less than the baselines give. The DP's summed error
+    model misjudges regular patterns most (it is conservative for alternating extrapolated skips),
+    which is why these are confirmed rather than predicted."""
+    out: dict[tuple[str, ...], list[Action]] = {}
+    for first in sorted({model.min_full, 2, 3, 4}):
         for every in range(2, model.max_reuse + 2):
-            trials = [fixed_interval(model.num_steps, max(first, model.min_full), every, a) for a in actions]
-            trials = [t for t in trials if model.allowed(t)]
-            if trials:
-                out.append(min(trials, key=model.predict))
-    return out
+            for from_end in (False, True):
+                trials = [
+                    fixed_interval(model.num_steps, max(first, model.min_full), every, a, from_end)
+                    for a in actions
+                ]
+                trials = [t for t in trials if model.allowed(t)]
+                if trials:
+                    best = min(trials, key=model.predict)
+                    out.setdefault(tuple(str(a) for a in best), best)
+    return list(out.values())
 
 
 def _feasible(point: dict[str, Any], config: CacheAutoConfig) -> bool:
@@ -304,9 +337,11 @@ def apply_cache_auto(ctx: StepContext, config: CacheAutoConfig) -> StepResult:
         ctx.pipeline, call, eval_prompts, eval_seeds, len(eval_prompts), "held-out"
     )
     actions = [Action.parse(a) for a in chosen["actions"]]
-    expected = search.confirm(actions, eval_prompts, eval_seeds, held_images, held_latents)
-    expected.pop("actions")
     schedule = search.schedule(actions)
+    if config.guard:
+        schedule.guards = search.calibrate_guard(actions, prompts, seeds).to_dict()
+    expected = search.confirm(actions, eval_prompts, eval_seeds, held_images, held_latents, schedule.guards)
+    expected.pop("actions")
     schedule.fingerprint = fingerprint(ctx.transformer)
     schedule.guidance_mode = "shared"  # one action list for every CFG branch (each keeps its own cache)
     schedule.expected = expected | {"prompts": eval_prompts, "seeds": eval_seeds}

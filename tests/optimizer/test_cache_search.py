@@ -169,6 +169,9 @@ def test_cache_auto_writes_a_schedule_the_loaded_package_follows(flux_tiny, tmp_
 def test_fixed_interval_baseline():
     acts = [str(a) for a in fixed_interval(10, first=3, every=3)]
     assert acts == ["full"] * 4 + ["skip", "skip", "full", "skip", "skip", "full"]
+    # counted back from the last step: 9, 6, 3 after the first three (the TaylorSeer phase)
+    acts = [str(a) for a in fixed_interval(11, first=3, every=3, from_end=True)]
+    assert acts == ["full"] * 3 + ["skip", "full", "skip", "skip", "full", "skip", "skip", "full"]
 
 
 def test_pareto_keeps_the_points_nothing_beats():
@@ -181,3 +184,25 @@ def test_pareto_keeps_the_points_nothing_beats():
         (0.4, 30),
         (1.0, 100),
     ]
+
+
+def test_cache_auto_guard_ships_thresholds_for_the_reuse_steps(flux_tiny, tmp_path):
+    spec, pipe = flux_tiny
+    config = CacheAutoConfig(
+        steps=STEPS, calib_samples=2, eval_samples=2, budgets=2, refine=0, guard=True,
+        psnr_floor_db=0.0, psnr_p5_floor_db=0.0,
+    )  # fmt: skip
+    sdkiln.optimize(
+        pipe, RecipeConfig(name="guarded", steps=[config]), out_dir=tmp_path / "pkg", eval_samples=0
+    )
+    data = json.loads((tmp_path / "pkg" / SCHEDULE_FILE).read_text())
+    guards, actions = data["guards"], data["actions"]["batched"]
+    assert guards["indicator"] == "input_change" and (guards["quantile"], guards["margin"]) == (1.0, 1.5)
+    assert set(guards["thresholds"]) == {"cond", "uncond"}  # FLUX's true CFG: one list per branch
+    for thresholds in guards["thresholds"].values():
+        assert [t is not None for t in thresholds] == [a != "full" for a in actions]
+    reuse = sum(a != "full" for a in actions)
+    assert data["expected"]["guard"]["checks"] == 2 * reuse  # held-out: one batch, one call per branch
+    loaded = sdkiln.load(tmp_path / "pkg", device="cpu")
+    runner = cache_runner(loaded.transformer)
+    assert runner.guard is not None and runner.guard.thresholds == guards["thresholds"]

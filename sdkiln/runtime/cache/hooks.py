@@ -18,7 +18,9 @@ the first, ``"call1"``... after): a pipeline that batches both CFG branches into
 each sample's residual in its own batch row, so the branches never mix either way.
 
 Buffers are freed after the last step of a run and when a run starts again at step 0. A static
-schedule needs no host sync: every decision is a Python lookup by the step index.
+schedule needs no host sync: every decision is a Python lookup by the step index. A schedule with a
+guard (``guard.py``) checks the stack input's change at each reuse step and runs the step full when
+it is unusual: one host sync per reuse step, the decision agreed across ranks.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from diffusers.hooks.hooks import BaseState, StateManager
 from torch import nn
 
 from sdkiln.errors import StepError
+from sdkiln.runtime.cache.guard import Guard, agree, input_change
 from sdkiln.runtime.cache.schedule import BATCHED, FULL, Action, CacheSchedule
 from sdkiln.runtime.steps import attach_step_tracker, detach_step_tracker, needs_step_tracker, step_tracker
 
@@ -52,12 +55,16 @@ class BranchState(BaseState):
         self.step: int | None = None
         self.span_inputs: dict[tuple[int, int], Named] = {}
         self.residuals: dict[tuple[int, int], list[tuple[int, Named]]] = {}
+        self.guard_input: torch.Tensor | None = None
+        """The stack input at the last full step, which the guard measures change against."""
 
 
 class CacheRunner:
     """Shared by the hooks of one transformer: the schedule, the current call, the counters."""
 
-    def __init__(self, pipeline: Any, transformer: nn.Module, schedule: CacheSchedule):
+    def __init__(
+        self, pipeline: Any, transformer: nn.Module, schedule: CacheSchedule, guard: Guard | None = None
+    ):
         self._pipeline = weakref.ref(pipeline)
         self.transformer = transformer
         self.schedule = schedule
@@ -73,6 +80,16 @@ class CacheRunner:
             self.blocks += [(block, layout) for block in blocks]
         self.num_blocks = len(self.blocks)
         self.spans = self._spans(schedule)
+        try:
+            self.guard = guard if guard is not None else Guard.from_dict(schedule.guards)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise StepError(f"the cache schedule's guard is invalid: {exc}") from exc
+        self._run_guard = self.guard
+        self._guard_given = guard is not None
+        self.guard_checks = 0
+        """Reuse steps whose input change the guard compared with a threshold (calls)."""
+        self.guard_forced = 0
+        """Of those, the ones it ran full."""
         self.block_evaluations = 0
         self.transformer_calls = 0
         self.owns_tracker = False
@@ -80,6 +97,7 @@ class CacheRunner:
         self._action: Action = FULL
         self._state: BranchState | None = None
         self._step = 0
+        self._branch = BATCHED
 
     def _spans(self, schedule: CacheSchedule) -> set[tuple[int, int]]:
         spans = {
@@ -98,6 +116,7 @@ class CacheRunner:
     def reset_counters(self) -> None:
         self.block_evaluations = 0
         self.transformer_calls = 0
+        self.guard_checks = self.guard_forced = 0
 
     # --- one transformer call -------------------------------------------------------------------
 
@@ -105,8 +124,9 @@ class CacheRunner:
         if step == 0 or state.step is None or step < state.step:
             state.reset()
             self._run_schedule = self._schedule_for_run(num_steps)
+            self._run_guard = self._guard_for_run()
         state.step = step
-        self._state, self._step = state, step
+        self._state, self._step, self._branch = state, step, branch
         self._action = self._run_schedule.action(step, branch)
         self.transformer_calls += 1
 
@@ -131,6 +151,26 @@ class CacheRunner:
         except ValueError as exc:
             raise StepError(f"cannot run the cache schedule on this run's {num_steps} steps: {exc}") from exc
 
+    def _guard_for_run(self) -> Guard | None:
+        """The guard for this run's steps: the one given to ``attach_cache`` as it is, else the run
+        schedule's thresholds (mapped with its actions when the run has other steps)."""
+        if self.guard is None or self._run_schedule is self.schedule or self._guard_given:
+            return self.guard
+        return Guard.from_dict(self._run_schedule.guards)
+
+    def _guard_forces(self, stream: torch.Tensor, reference: torch.Tensor) -> bool:
+        guard = self._run_guard
+        change = input_change(stream, reference)
+        if guard.record:
+            guard.observe(self._step, self._branch, change)
+            return False
+        limit = guard.threshold(self._step, self._branch)
+        self.guard_checks += limit is not None
+        # every rank reaches this at every reuse step (the actions are shared), so all join the reduction
+        force = agree(limit is not None and bool(change.max() > limit), stream.device)
+        self.guard_forced += force
+        return force
+
     # --- one block ------------------------------------------------------------------------------
 
     def block_forward(self, position: int, layout, forward, args, kwargs):
@@ -138,6 +178,12 @@ class CacheRunner:
         if state is None:  # called outside a transformer forward (a block on its own)
             return forward(*args, **kwargs)
         inputs = _named_inputs(forward, layout.inputs, args, kwargs)
+        if position == 0 and self._run_guard is not None:
+            stream = inputs[layout.inputs[0]]
+            if action != FULL and self._guard_forces(stream, state.guard_input):
+                action = self._action = FULL  # an unusual input: this step computes and refreshes the caches
+            if action == FULL:
+                state.guard_input = stream.detach().clone()
         if action.computes(position, self.num_blocks):
             if action == FULL:
                 for span in self.spans:
@@ -265,14 +311,15 @@ class _BlockHook(ModelHook):
 
 
 def attach_cache(
-    pipeline: Any, schedule: CacheSchedule, transformer_attr: str = "transformer"
+    pipeline: Any, schedule: CacheSchedule, transformer_attr: str = "transformer", guard: Guard | None = None
 ) -> CacheRunner:
     """Make ``pipeline``'s transformer follow ``schedule``; returns the runner (its counters:
-    ``block_evaluations``, ``transformer_calls``). ``detach_cache`` undoes it."""
+    ``block_evaluations``, ``transformer_calls``, ``guard_checks`` and ``guard_forced``). ``guard``
+    replaces the schedule's own (a recording guard calibrates one). ``detach_cache`` undoes it."""
     transformer = getattr(pipeline, transformer_attr)
     if cache_runner(transformer) is not None:
         raise StepError("this transformer already follows a cache schedule; detach_cache(transformer) first")
-    runner = CacheRunner(pipeline, transformer, schedule)
+    runner = CacheRunner(pipeline, transformer, schedule, guard)
     runner.owns_tracker = step_tracker(transformer) is None
     tracker = attach_step_tracker(pipeline, transformer_attr)
     for position, (block, layout) in enumerate(runner.blocks):

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sdkiln.errors import PackageError
+from sdkiln.runtime.cache.guard import Guard
 
 FORMAT = "sdkiln.cache_schedule"
 FORMAT_VERSION = 1
@@ -124,6 +125,7 @@ class CacheSchedule:
     fingerprint: dict[str, Any] = field(default_factory=dict)
     """The model it was made for: ``config_hash``, ``weights_hash`` and the recipe steps before it."""
     guards: dict[str, Any] = field(default_factory=dict)
+    """The optional guard (``guard.Guard.to_dict``): input-change thresholds per branch and step."""
     expected: dict[str, Any] = field(default_factory=dict)
     """Measured on held-out prompts when the schedule was made: ``block_evaluations_ratio`` and quality."""
     search: dict[str, Any] = field(default_factory=dict)
@@ -182,6 +184,15 @@ class CacheSchedule:
                         f"{where}, step {step}: {a} extrapolates but only {fulls} full step(s) precede it"
                     )
                 fulls += a == FULL
+        if self.guards:
+            guard = Guard.from_dict(self.guards)
+            for branch, thresholds in guard.thresholds.items():
+                if len(thresholds) != self.num_steps:
+                    raise ValueError(
+                        f"cache guard branch {branch!r}: {len(thresholds)} thresholds for {self.num_steps} steps"
+                    )
+                if any(t is not None and not (t >= 0 and math.isfinite(t)) for t in thresholds):
+                    raise ValueError(f"cache guard branch {branch!r}: thresholds must be finite and >= 0")
 
     # --- mapping to another step count -------------------------------------------------------
 
@@ -204,8 +215,9 @@ class CacheSchedule:
         lo, hi = min(self.sigmas), max(self.sigmas)
         span = hi - lo
         mapped: dict[str, list[Action]] = {}
+        index: list[int] = []  # the schedule step each run step takes its action (and guard) from
         for branch, actions in self.actions.items():
-            out = []
+            out, index = [], []
             for i, sigma in enumerate(sigmas):
                 if sigma < lo - 1e-6 * max(span, 1.0) or sigma > hi + 1e-6 * max(span, 1.0):
                     raise ValueError(
@@ -219,6 +231,7 @@ class CacheSchedule:
                         f"step {i} (sigma {sigma:.6g}) is equally near schedule steps {near}, which differ"
                     )
                 out.append(actions[near[0]])
+                index.append(near[0])
             out[0] = out[-1] = FULL
             fulls = 0
             for j, a in enumerate(out):  # an extrapolation needs two full steps before it
@@ -233,7 +246,7 @@ class CacheSchedule:
             scheduler_class=self.scheduler_class,
             guidance_mode=self.guidance_mode,
             fingerprint=self.fingerprint,
-            guards=self.guards,
+            guards=_map_guards(self.guards, index),
             expected={},  # measured for the original steps only
             search=self.search | {"mapped_from_steps": self.num_steps},
         )
@@ -307,3 +320,19 @@ class CacheSchedule:
                     f"{str(self.fingerprint[key])[:12]}..., this model has {str(actual.get(key))[:12]}...); "
                     "optimize again for this model"
                 )
+
+
+def _map_guards(guards: dict[str, Any], index: list[int]) -> dict[str, Any]:
+    """The guard thresholds for a run whose step i takes schedule step ``index[i]``'s action; the
+    first and last steps (always full) get none. With fewer steps than the schedule, each step's
+    input changes more than calibration saw, so a mapped guard forces more often, never less."""
+    if not guards:
+        return guards
+    thresholds = {
+        b: [None if i in (0, len(index) - 1) else ts[j] for i, j in enumerate(index)]
+        for b, ts in guards["thresholds"].items()
+    }
+    return guards | {
+        "thresholds": thresholds,
+        "mapped_from_steps": len(next(iter(guards["thresholds"].values()))),
+    }
