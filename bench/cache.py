@@ -271,7 +271,9 @@ class Bench:
         step, searched for this step count on ``calib_samples`` calibration samples (as MagCache's)."""
         if self._front is None:
             started = time.perf_counter()
-            (step,) = [s for s in resolve_recipe(self.recipe).steps if isinstance(s, CacheAutoConfig)]
+            (step,) = [
+                s for s in resolve_recipe(self.recipe).steps if isinstance(s, CacheAutoConfig)
+            ]  # run() checked
             step = dataclasses.replace(step, steps=self.steps, calib_samples=self.calib_samples)
             recipe = RecipeConfig(name=self.recipe, steps=[step])
             result = sdkiln.optimize(self.base, recipe, out_dir=None, eval_samples=0)
@@ -376,6 +378,51 @@ def run_point(bench: Bench, name: str, knob: dict[str, Any]) -> dict[str, Any]:
     return row
 
 
+def _earlier_run(path: Path, base, spec, prompts, seeds, steps, batch_size: int) -> dict[str, Any]:
+    """An earlier report whose peer rows this run may reuse: same model weights, held-out plan,
+    batch size and step counts (the peers are deterministic on CPU given those)."""
+    earlier = json.loads(Path(path).read_text())
+    settings = earlier.get("settings", {})
+    checks = {
+        "model weights": (
+            earlier.get("model_weights_sha256"),
+            weights_hash(getattr(base, spec.transformer_attr)),
+        ),
+        "seeds": (settings.get("seeds"), f"{seeds[0]}..{seeds[-1]}"),
+        "samples": (settings.get("num_samples"), len(prompts)),
+        "prompts": (settings.get("prompts"), sorted(set(prompts))),
+        "batch size": (settings.get("batch_size"), batch_size),
+    }
+    wrong = [f"{k}: {a!r} there, {b!r} here" for k, (a, b) in checks.items() if a != b]
+    missing = [n for n in steps if str(n) not in earlier.get("steps", {})]
+    if wrong or missing:
+        raise ValueError(
+            f"{path} is not a run of this benchmark's plan: {'; '.join(wrong)} (missing steps {missing})"
+        )
+    return earlier
+
+
+def _reused_peers(
+    earlier: dict[str, Any], steps: int, reference: dict[str, Any], run_here: set[str], path: Path
+) -> list[dict[str, Any]]:
+    """The earlier run's rows at ``steps`` of the methods not run here and not ours, after checking
+    that this run's uncached reference scores as the earlier one did (the same images)."""
+    old = earlier["steps"][str(steps)]["uncached"]
+    for key in ("class_accuracy", "fd_fmnist", "block_evaluations"):
+        if old.get(key) != reference.get(key):
+            raise ValueError(
+                f"{path}: the uncached run at {steps} steps differs from this one ({key}: {old.get(key)} there, "
+                f"{reference.get(key)} here); its peer rows cannot be reused"
+            )
+    rows = [
+        r | {"reused_from": str(path)}
+        for r in earlier["methods"]
+        if r["steps"] == steps and r["by"] != "sdkiln" and r["method"] not in run_here
+    ]
+    print(f"{steps} steps: {len(rows)} peer rows reused from {path}", file=sys.stderr)
+    return rows
+
+
 def run_method(bench: Bench, name: str, knobs: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
     """Every knob value of ``name`` (its own sweep unless ``knobs``); a peer's failure ends its sweep
     with a row that says why."""
@@ -466,6 +513,7 @@ def run(
     calib_samples: int | None = None,
     timing_repeats: int = 2,
     recipe: str = "cache-auto",
+    peers_from: Path | None = None,
     knobs: dict[str, list[dict[str, Any]]] | None = None,
 ) -> dict[str, Any]:
     """Measure ``methods`` on ``model`` at every step count; returns the report ``main`` writes.
@@ -474,8 +522,10 @@ def run(
     if unknown:
         raise ValueError(f"unknown methods {unknown}; known: {', '.join(METHODS)}")
     started, load_at_start = time.perf_counter(), os.getloadavg()
-    calib_samples = calib_samples or CacheAutoConfig().calib_samples
-    resolve_recipe(recipe)  # an unknown recipe fails before the first run
+    ours = [s for s in resolve_recipe(recipe).steps if isinstance(s, CacheAutoConfig)]
+    if len(ours) != 1:
+        raise ValueError(f"recipe {recipe!r} has {len(ours)} cache_auto steps; bench/cache.py needs one")
+    calib_samples = calib_samples or ours[0].calib_samples
     spec = get_spec(model)
     base = spec.build()
     prompts, seeds = sample_plan(spec, num_samples, seed)
@@ -483,6 +533,9 @@ def run(
     if shared:
         raise ValueError(f"held-out prompts {sorted(shared)} are also calibration prompts")
 
+    earlier = None
+    if peers_from is not None:
+        earlier = _earlier_run(peers_from, base, spec, prompts, seeds, steps, batch_size)
     rows: list[dict[str, Any]] = []
     per_steps: dict[str, Any] = {}
     for n in steps:
@@ -492,6 +545,13 @@ def run(
         for name in methods:
             rows += run_method(bench, name, (knobs or {}).get(name))
         record = {"uncached": bench.reference} | bench.record
+        if earlier is not None:
+            rows += _reused_peers(earlier, n, bench.reference, set(methods), peers_from)
+            record["peers_from"] = {"file": str(peers_from), "command": earlier.get("command")}
+            old = earlier["steps"][str(n)]
+            record |= {
+                k: v for k, v in old.items() if k not in record and k not in ("search", "timing_check")
+            }
         if n == TARGET["steps"] and timing_repeats > 0:
             point = target_point([r for r in rows if r["steps"] == n], bench.reference)
             if point is not None:
@@ -733,10 +793,15 @@ def main(argv: list[str] | None = None) -> None:
         "--calib-samples",
         type=int,
         default=None,
-        help="for our search and MagCache's calibration; default: cache_auto's",
+        help="for our search and MagCache's calibration; default: the recipe's",
     )
     parser.add_argument(
         "--recipe", default="cache-auto", help="the recipe whose cache_auto step makes our front"
+    )
+    parser.add_argument(
+        "--peers-from",
+        type=Path,
+        help="reuse the peer rows of an earlier report of the same plan (checked) instead of running them",
     )
     parser.add_argument("--timing-repeats", type=int, default=2)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
@@ -757,6 +822,7 @@ def main(argv: list[str] | None = None) -> None:
         args.calib_samples,
         args.timing_repeats,
         recipe=args.recipe,
+        peers_from=args.peers_from,
     )
     report["command"] = " ".join(["python", "bench/cache.py", *(argv if argv is not None else sys.argv[1:])])
     args.out.parent.mkdir(parents=True, exist_ok=True)

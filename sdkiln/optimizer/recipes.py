@@ -35,7 +35,7 @@ NAMED_RECIPES: dict[str, Callable[[], list[StepConfig]]] = {
     # Presets: the same search, a different floor on the confirmed front (mean / 5th-percentile PSNR).
     "cache-fast": lambda: [CacheAutoConfig(psnr_floor_db=25.0, psnr_p5_floor_db=20.0)],
     "cache-balanced": lambda: [CacheAutoConfig()],
-    "cache-safe": lambda: [CacheAutoConfig(psnr_floor_db=35.0, psnr_p5_floor_db=30.0)],
+    "cache-safe": lambda: [CacheAutoConfig(psnr_floor_db=35.0, psnr_p5_floor_db=30.0, guard=True)],
     # More calibration samples, more actions and lengths, a longer refinement: slower, for a release.
     "cache-thorough": lambda: [
         CacheAutoConfig(

@@ -171,3 +171,23 @@ def test_failing_and_missing_peers_are_recorded(monkeypatch):
     assert rows["diffusers-fbc"]["error"] == "RuntimeError: no such hook"
     assert rows["cache-dit-dbcache"]["status"] == "not installed"
     assert "pip install cache-dit" in rows["cache-dit-dbcache"]["error"]
+
+
+def test_peer_rows_can_be_reused_from_a_run_of_the_same_plan(report, tmp_path):
+    earlier = tmp_path / "earlier.json"
+    earlier.write_text(json.dumps(report))
+    ours_only = {"sdkiln-cache-auto": [{"point": 0, "actions": OURS}]}
+    again = _tiny(("sdkiln-cache-auto",), ours_only, peers_from=earlier)
+    reused = [r for r in again["methods"] if r.get("reused_from")]
+    assert sorted(r["method"] for r in reused) == ["diffusers-fbc", "diffusers-magcache", "fixed-interval"]
+    (ours,) = [r for r in again["methods"] if r["by"] == "sdkiln"]  # measured again here, not reused
+    assert "reused_from" not in ours and ours["psnr"] == _rows(report)["sdkiln-cache-auto"]["psnr"]
+    assert (
+        again["steps"][str(STEPS)]["magcache_calibration"]
+        == report["steps"][str(STEPS)]["magcache_calibration"]
+    )
+    other = json.loads(earlier.read_text())
+    other["settings"]["seeds"] = "1..2"
+    earlier.write_text(json.dumps(other))
+    with pytest.raises(ValueError, match="not a run of this benchmark's plan: seeds"):
+        _tiny(("sdkiln-cache-auto",), ours_only, peers_from=earlier)
