@@ -55,6 +55,8 @@ accuracy at most 1 point below uncached; for that point (else ours nearest 0.40x
 wall-clock speedup within 15% of 1 / its block-evaluation ratio.
 
     python bench/cache.py                      # both step counts, every method (about 70 minutes)
+    python bench/cache.py --steps 28 --methods sdkiln-cache-auto --recipe cache-thorough \
+        --peers-from bench/results/cache_fmnist.json   # our front again, the peers' rows reused
     python bench/cache.py --markdown bench/results/cache_fmnist.json   # the docs table
 """
 
