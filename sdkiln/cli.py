@@ -154,6 +154,12 @@ def cmd_inspect(args) -> int:
             f"cache schedule: {c['num_steps']} steps, {c['block_evaluations_ratio']:.3f}x block evaluations; "
             f"actions {' '.join(c['actions'])}"
         )
+        if c.get("guard"):
+            g, held = c["guard"], c["guard"].get("forced_on_held_out") or {}
+            print(
+                f"cache guard: {g['indicator']} above {g['quantile']:g}-quantile x {g['margin']:g} of calibration runs "
+                f"the step full (held-out: {held.get('forced', '?')} of {held.get('checks', '?')} reuse checks forced)"
+            )
     print(f"package size: {summary['package_bytes']:,} bytes")
     quality = pkg.read_json("eval/quality.json")
     print("\n".join(_quality_lines(quality)))

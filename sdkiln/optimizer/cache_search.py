@@ -25,6 +25,10 @@
    schedule (block evaluations -> PSNR) is kept in the package; the chosen schedule is the cheapest
    confirmed one meeting the floor (the presets differ only in the floor). It is then measured on
    held-out samples (``eval_samples`` of the family's eval prompts, other seeds) for ``expected``.
+5. **Guard** (``guard=True``). Before that held-out run, the chosen schedule runs once more on the
+   calibration samples with a recording guard (``runtime.cache.guard``); each reuse step's threshold
+   on the stack input's change is ``guard_quantile`` of what was seen there times ``guard_margin``.
+   The held-out run then runs guarded and reports how often the guard forced a compute.
 """
 
 from __future__ import annotations

@@ -53,6 +53,10 @@ def summarize(pkg: Package) -> dict[str, Any]:
             "block_evaluations_ratio": schedule.block_evaluations_ratio(),
             "actions": [str(a) for a in next(iter(schedule.actions.values()))],
             "expected": schedule.expected,
+            "guard": None
+            if not schedule.guards
+            else {k: schedule.guards.get(k) for k in ("indicator", "quantile", "margin")}
+            | {"forced_on_held_out": schedule.expected.get("guard")},
         }
     return {
         "recipe": m["recipe"]["name"],

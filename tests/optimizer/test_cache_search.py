@@ -9,6 +9,7 @@ import torch
 import sdkiln
 from sdkiln.calibrate.cache_profile import HEATMAP_FILE, PROFILE_FILE
 from sdkiln.calibrate.trajectories import Trajectories
+from sdkiln.cli import main
 from sdkiln.configs import CacheAutoConfig, RecipeConfig
 from sdkiln.errors import PackageError
 from sdkiln.optimizer.cache_plan import ErrorModel, Segment, fill_gaps
@@ -156,7 +157,7 @@ def test_cache_auto_writes_a_schedule_the_loaded_package_follows(flux_tiny, tmp_
     assert torch.equal(a, b)
 
     summary = summarize(open_package(tmp_path / "pkg"))
-    assert summary["cache"]["actions"] == record["actions"]
+    assert summary["cache"]["actions"] == record["actions"] and summary["cache"]["guard"] is None
 
     report, _, _ = compare(pipe, result.pipeline, spec, 2, steps=STEPS)
     assert report["block_evaluations_ratio"] == pytest.approx(record["block_evaluations_ratio"])
@@ -186,7 +187,7 @@ def test_pareto_keeps_the_points_nothing_beats():
     ]
 
 
-def test_cache_auto_guard_ships_thresholds_for_the_reuse_steps(flux_tiny, tmp_path):
+def test_cache_auto_guard_ships_thresholds_for_the_reuse_steps(flux_tiny, tmp_path, capsys):
     spec, pipe = flux_tiny
     config = CacheAutoConfig(
         steps=STEPS, calib_samples=2, eval_samples=2, budgets=2, refine=0, guard=True,
@@ -206,3 +207,9 @@ def test_cache_auto_guard_ships_thresholds_for_the_reuse_steps(flux_tiny, tmp_pa
     loaded = sdkiln.load(tmp_path / "pkg", device="cpu")
     runner = cache_runner(loaded.transformer)
     assert runner.guard is not None and runner.guard.thresholds == guards["thresholds"]
+    summary = summarize(open_package(tmp_path / "pkg"))["cache"]["guard"]
+    assert (
+        summary["indicator"] == "input_change" and summary["forced_on_held_out"] == data["expected"]["guard"]
+    )
+    assert main(["inspect", str(tmp_path / "pkg")]) == 0
+    assert f"of {2 * reuse} reuse checks forced" in capsys.readouterr().out
