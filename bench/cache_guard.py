@@ -76,12 +76,10 @@ def run(num_samples: int, steps: int, seed: int, guidances: list[float], batch: 
     for name, cond_prompts, guidance in conditions:
         call = spec.call_kwargs(steps=steps, guidance=guidance)
         reference, _ = _run(pipe, spec, None, call, cond_prompts, seeds, batch, f"{name}: uncached")
-        full = None
         for variant, schedule in (("schedule", plain), ("schedule+guard", guarded)):
             images, runner = _run(
                 pipe, spec, schedule, call, cond_prompts, seeds, batch, f"{name}: {variant}"
             )
-            full = full or runner.transformer_calls * runner.num_blocks
             psnr = np.minimum(metrics.psnr(images, reference), PSNR_CAP_DB)
             row = {
                 "condition": name,
@@ -89,7 +87,8 @@ def run(num_samples: int, steps: int, seed: int, guidances: list[float], batch: 
                 "variant": variant,
                 "psnr": float(psnr.mean()),
                 "psnr_p5": float(np.percentile(psnr, 5)),
-                "block_evaluations_ratio": runner.block_evaluations / full,
+                "block_evaluations_ratio": runner.block_evaluations
+                / (runner.transformer_calls * runner.num_blocks),
                 "guard_checks": runner.guard_checks,
                 "guard_forced": runner.guard_forced,
             }

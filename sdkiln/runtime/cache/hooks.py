@@ -160,14 +160,15 @@ class CacheRunner:
 
     def _guard_forces(self, stream: torch.Tensor, reference: torch.Tensor) -> bool:
         guard = self._run_guard
-        change = input_change(stream, reference)
         if guard.record:
-            guard.observe(self._step, self._branch, change)
+            guard.observe(self._step, self._branch, input_change(stream, reference))
             return False
         limit = guard.threshold(self._step, self._branch)
         self.guard_checks += limit is not None
         # every rank reaches this at every reuse step (the actions are shared), so all join the reduction
-        force = agree(limit is not None and bool(change.max() > limit), stream.device)
+        force = agree(
+            limit is not None and bool(input_change(stream, reference).max() > limit), stream.device
+        )
         self.guard_forced += force
         return force
 
