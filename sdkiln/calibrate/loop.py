@@ -5,8 +5,8 @@ calibration data attaches its observers, calls ``forward_loop(pipeline)``, and d
 callable that runs the pipeline on representative inputs will do; it returns nothing.
 
 When the user gives none, ``PromptLoop`` is used: the model family's ``calibration_prompts`` (sample
-i uses prompt ``i % len(prompts)`` and seed ``CALIBRATION_SEED + i``; a loop with ``first=n`` runs
-samples n, n+1, ..., which a step uses for data held out from the first loop) at the deployment call
+i uses prompt ``spread_index(i, len(prompts))`` and seed ``CALIBRATION_SEED + i``; a loop with
+``first=n`` runs samples n, n+1, ..., which a step uses for data held out from the first loop) at the deployment call
 arguments (``spec.call_kwargs()``: steps, guidance, resolution), so both classifier-free-guidance
 branches run as they will in production. Decoding is skipped (``output_type="latent"``): nothing
 after the denoiser is calibrated. ``record()`` is what a package stores about it.
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +29,24 @@ from sdkiln.model_zoo import ModelSpec
 ForwardLoop = Callable[[Any], None]
 CALIBRATION_SEED = 0
 _RESOLUTION_ARGS = ("height", "width", "num_frames")
+
+
+def spread_index(i: int, n: int) -> int:
+    """Which of ``n`` prompts sample ``i`` uses: ``(i * k) % n`` with the stride ``k`` near ``n`` over the
+    golden ratio and coprime to ``n``.
+
+    Prompt lists are often grouped by subject (the embedded model's captions come about twelve per
+    class, in class order), so taking the first N would calibrate a few samples on one subject. The
+    stride spreads any N consecutive samples over the whole list (every ``n`` consecutive samples
+    visit every prompt once), and is a pure function of ``i`` and ``n``, so every rank and every run
+    plans the same samples.
+    """
+    if n < 1:
+        raise ValueError("no calibration prompts")
+    k = max(1, round(n / ((1 + 5**0.5) / 2)))
+    while math.gcd(k, n) != 1:
+        k += 1
+    return (i * k) % n
 
 
 def prompts_sha256(prompts: list[str]) -> str:
@@ -44,11 +63,11 @@ class PromptLoop:
     steps: int | None = None
     """Denoising steps; None for the family's deployment default."""
     first: int = 0
-    """Index of the first sample: its prompt is ``prompts[first % len(prompts)]``, its seed ``CALIBRATION_SEED + first``."""
+    """Index of the first sample: its prompt is ``prompts[spread_index(first, len(prompts))]``, its seed ``CALIBRATION_SEED + first``."""
 
     def plan(self) -> tuple[list[str], list[int]]:
         prompts, ids = self.spec.calibration_prompts, range(self.first, self.first + self.samples)
-        return [prompts[i % len(prompts)] for i in ids], [CALIBRATION_SEED + i for i in ids]
+        return [prompts[spread_index(i, len(prompts))] for i in ids], [CALIBRATION_SEED + i for i in ids]
 
     def call_kwargs(self) -> dict[str, Any]:
         return {**self.spec.call_kwargs(steps=self.steps), "output_type": "latent"}

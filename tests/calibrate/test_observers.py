@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from sdkiln.calibrate.loop import PromptLoop, prompts_sha256, resolve_loop
+from sdkiln.calibrate.loop import PromptLoop, prompts_sha256, resolve_loop, spread_index
 from sdkiln.calibrate.observers import InputObserver, collect_input_stats, observing
 from sdkiln.errors import StepError
 from sdkiln.model_zoo import get_spec
@@ -139,7 +139,8 @@ def test_hooks_and_tracker_come_off_even_when_the_loop_fails(pipe, spec):
 
 def test_default_loop_records_prompts_seeds_steps_and_resolution(spec):
     loop, record = resolve_loop(spec, None, samples=4, steps=None)
-    prompts = [spec.calibration_prompts[i % 3] for i in range(4)]
+    # three prompts: the stride is 2, so samples 0..3 use prompts 0, 2, 1, 0
+    prompts = [spec.calibration_prompts[i] for i in (0, 2, 1, 0)]
     assert record == {
         "loop": "default",
         "samples": 4,
@@ -150,7 +151,24 @@ def test_default_loop_records_prompts_seeds_steps_and_resolution(spec):
         "guidance": {"true_cfg_scale": 2.0},
         "resolution": {"height": 32, "width": 32},
     }
-    assert PromptLoop(spec, 2, first=4).plan() == ([prompts[1], prompts[2]], [4, 5])
+    cal = spec.calibration_prompts
+    assert PromptLoop(spec, 2, first=4).plan() == ([cal[2], cal[1]], [4, 5])
     assert prompts_sha256(prompts) != prompts_sha256(prompts[::-1])
     user = object()
     assert resolve_loop(spec, user, samples=4, steps=None) == (user, {"loop": "user"})
+
+
+def test_spread_index_visits_every_prompt_and_spreads_grouped_lists():
+    for n in (1, 2, 3, 10, 122, 128):
+        assert sorted(spread_index(i, n) for i in range(n)) == list(range(n))
+    # the embedded model's captions come 6..19 per class in class order: its first 8 samples
+    # must cover most classes (the first-N plan gave class 0 only)
+    from sdkiln.model_zoo.fmnist.text import CAPTIONS
+
+    spec = get_spec("fmnist-flux")
+    label = [c for c, caps in enumerate(CAPTIONS) for _ in caps[1:]]
+    assert len(label) == len(spec.calibration_prompts)
+    plan = PromptLoop(spec, 8).plan()[0]
+    assert len({label[spec.calibration_prompts.index(p)] for p in plan}) >= 7
+    with pytest.raises(ValueError, match="no calibration prompts"):
+        spread_index(0, 0)
