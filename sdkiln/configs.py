@@ -111,23 +111,28 @@ def _check_calibration(cfg) -> None:
 @register_config
 @dataclass
 class SmoothQuantConfig(StepConfig):
-    """SmoothQuant before a static int8 step: per-layer alpha searched on ``alphas`` by output error.
+    """SmoothQuant before an int8 step: per-layer alpha searched on ``alphas`` by output error.
 
     The smoothing factor is folded into the preceding modulation/norm where that is exact; otherwise
-    the layer keeps an input multiplier (``<layer>.div.mul_scale``).
+    the layer keeps an input multiplier (``<layer>.div.mul_scale``). ``target`` is the int8 step it
+    prepares (its error decides alpha: a static range, or per-token dynamic scales); a recipe sets it
+    from the step that follows.
     """
 
     kind: ClassVar[str] = "smoothquant"
     order: ClassVar[int] = 10
     transform_module: ClassVar[str] = "sdkiln.optimizer.smoothquant"
-    prepares: ClassVar[tuple[str, ...]] = ("w8a8_static", "w8a8_timestep")
+    prepares: ClassVar[tuple[str, ...]] = ("w8a8_static", "w8a8_timestep", "w8a8_dynamic")
     alphas: tuple[float, ...] = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8)
     exclude: tuple[str, ...] = ()
     calib_samples: int = 8
     calib_steps: int | None = None
+    target: str | None = None
 
     def __post_init__(self) -> None:
         self.exclude = _patterns(self.exclude)
+        if self.target is not None and self.target not in self.prepares:
+            raise ValueError(f"target must be one of {', '.join(self.prepares)} (or null: the recipe's next one)")
         self.alphas = tuple(float(a) for a in self.alphas)
         if not self.alphas or not all(0.0 <= a <= 1.0 for a in self.alphas):
             raise ValueError("alphas must be a non-empty list of values in [0, 1]")
@@ -351,12 +356,19 @@ class RecipeConfig:
 
     def __post_init__(self) -> None:
         for i, step in enumerate(self.steps):
-            later = {s.kind for s in self.steps[i + 1 :]}
-            if step.prepares and not later & set(step.prepares):
+            if not step.prepares:
+                continue
+            later = [s.kind for s in self.steps[i + 1 :] if s.kind in step.prepares]
+            if not later:
                 raise RecipeError(
                     f"step {step.kind!r} only prepares {' or '.join(step.prepares)}; the recipe must apply one "
                     f"of them after it (e.g. 'w8a8-static+smoothquant')"
                 )
+            target = getattr(step, "target", later[0])
+            if target is None:
+                step.target = later[0]
+            elif target not in later:
+                raise RecipeError(f"step {step.kind!r} targets {target!r} but the recipe applies {later[0]!r} after it")
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "version": self.version, "steps": [s.to_dict() for s in self.steps]}

@@ -1,17 +1,19 @@
-"""SmoothQuant before a static int8 step: move activation outliers into the weights.
+"""SmoothQuant before an int8 step: move activation outliers into the weights.
 
 For a Linear y = x W^T, dividing input channel k by s_k and multiplying weight column k by s_k
-leaves y unchanged and flattens the per-tensor activation range that static int8 must cover
-(Xiao et al. 2023): s_k = max|x_k|^alpha / max_n |W[n, k]|^(1 - alpha).
+leaves y unchanged and flattens the activation range that int8 must cover (Xiao et al. 2023):
+s_k = max|x_k|^alpha / max_n |W[n, k]|^(1 - alpha). A static step's range is per tensor; a dynamic
+step's (W8A8_DYNAMIC) is per token, but a token's largest channel still sets the step of all its
+others, so outlier channels cost the same there (msModelSlim smooths before W8A8_DYNAMIC too).
 
 * Layers that read the same input share s: the consumers of one adaLN modulation (the spec's
   ``smooth_folds``, e.g. FLUX's to_q/to_k/to_v) get 1/s folded exactly into that float modulation
   Linear (``SmoothFold`` gives the algebra); nothing remains at run time. Every other layer gets
   its own s, kept as an input multiplier ``<layer>.div.mul_scale`` = 1/s (``SmoothedLinear``).
 * alpha is searched per group (a fold's consumers, or one layer) over the config's ``alphas`` plus
-  "no smoothing", by the output error of the int8 static layer (``W8A8StaticLinear``, its input
-  range derived exactly from the per-channel min/max as min_k(min_k / s_k), max_k(max_k / s_k))
-  against the float layer, summed as relative squared error over the group's layers and over the
+  "no smoothing", by the output error of the int8 layer of the step it prepares (``W8A8StaticLinear``,
+  its input range derived exactly from the per-channel min/max as min_k(min_k / s_k),
+  max_k(max_k / s_k); or ``W8A8Linear``, per-token scales at run time) against the float layer, summed as relative squared error over the group's layers and over the
   calibration data. That needs two runs of the forward loop: one for the per-channel statistics,
   one streaming the candidates' errors; neither stores activations. With the default loop the
   second run uses the next ``calib_samples`` samples (other seeds), so the error includes the
@@ -19,8 +21,8 @@ leaves y unchanged and flattens the per-tensor activation range that static int8
   range, a candidate never clips, which favours large alphas whose tight ranges generalize worse.
   A user's loop is run twice as given.
 
-The step only prepares the model: the w8a8_static or w8a8_timestep step after it calibrates the
-smoothed inputs and quantizes (the recipe refuses smoothquant without one).
+The step only prepares the model: the w8a8_static, w8a8_timestep or w8a8_dynamic step after it
+calibrates the smoothed inputs (static) and quantizes (the recipe refuses smoothquant without one).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from sdkiln.model_zoo.spec import SmoothFold
 from sdkiln.optimizer.calibrated_layers import calibrate, calibrated_targets, calibration_files
 from sdkiln.optimizer.registry import StepContext, StepResult, register_transform
 from sdkiln.runtime.quant.smooth import SmoothedLinear
+from sdkiln.runtime.quant.w8a8_dynamic import W8A8Linear
 from sdkiln.runtime.quant.w8a8_static import W8A8StaticLinear
 
 _EPS = 1e-5
@@ -103,15 +106,22 @@ def _candidates(
 
 
 class _CandidateErrors:
-    """An input callback that streams, per candidate s, the squared output error of the int8 static
-    layer on the input smoothed by s, against the float layer; its range is the calibrated one."""
+    """An input callback that streams, per candidate s, the squared output error of the int8 layer
+    on the input smoothed by s, against the float layer: static (the calibrated range; ``ranges``)
+    or dynamic (``ranges`` None)."""
 
-    def __init__(self, linear: nn.Linear, stats: InputObserver, candidates: dict[str, torch.Tensor]):
+    def __init__(
+        self, linear: nn.Linear, stats: InputObserver, candidates: dict[str, torch.Tensor], static: bool
+    ):
         self.linear, self.candidates = linear, candidates
-        self.ranges = {
-            c: (float((stats.channel_min / s).min()), float((stats.channel_max / s).max()))
-            for c, s in candidates.items()
-        }
+        self.ranges = (
+            {
+                c: (float((stats.channel_min / s).min()), float((stats.channel_max / s).max()))
+                for c, s in candidates.items()
+            }
+            if static
+            else None
+        )
         self.sse = dict.fromkeys(candidates, 0.0)
         self.energy = 0.0
 
@@ -121,7 +131,10 @@ class _CandidateErrors:
         self.energy += float(reference.pow(2).sum())
         for c, s in self.candidates.items():
             scaled = _meta_linear(self.linear.weight.detach().float() * s, self.linear.bias)
-            quant = W8A8StaticLinear.from_linear(scaled, *self.ranges[c])
+            if self.ranges is None:
+                quant = W8A8Linear.from_linear(scaled)
+            else:
+                quant = W8A8StaticLinear.from_linear(scaled, *self.ranges[c])
             smoothed = (x.float() * (1.0 / s)).to(x.dtype)
             self.sse[c] += float((quant(smoothed).double() - reference).pow(2).sum())
 
@@ -142,8 +155,9 @@ def _search(
     ctx: StepContext, config: SmoothQuantConfig, groups: list[Group], stats: dict[str, InputObserver]
 ) -> dict[str, Any]:
     """Score every group's candidates over one more run of the loop; returns that run's record."""
+    static = config.target != "w8a8_dynamic"  # None (the step applied on its own): static, as before
     scores = {
-        n: _CandidateErrors(ctx.transformer.get_submodule(n), stats[n], g.candidates)
+        n: _CandidateErrors(ctx.transformer.get_submodule(n), stats[n], g.candidates, static)
         for g in groups
         for n in g.layers
     }

@@ -115,18 +115,27 @@ def test_an_outlier_channel_is_smoothed_and_its_error_drops(spec):
     assert group["errors"][str(group["alpha"])] < 0.5 * group["errors"]["none"]
 
 
-def test_smoothquant_needs_a_static_step_after_it_with_the_same_excludes(spec):
-    with pytest.raises(RecipeError, match="only prepares w8a8_static or w8a8_timestep"):
+def test_smoothquant_needs_an_int8_step_after_it_with_the_same_excludes(spec):
+    with pytest.raises(RecipeError, match="only prepares w8a8_static or w8a8_timestep or w8a8_dynamic"):
         resolve_recipe("smoothquant")
     with pytest.raises(RecipeError, match="only prepares"):
-        resolve_recipe("smoothquant+w8a8-dynamic")
+        resolve_recipe("smoothquant+w8a16")
     with pytest.raises(RecipeError, match="only prepares"):
         RecipeConfig("x", [W8A8StaticConfig(), SmoothQuantConfig()])
-    assert [s.kind for s in resolve_recipe("w8a8-static+smoothquant").steps] == ["smoothquant", "w8a8_static"]
-    assert [s.kind for s in resolve_recipe("smoothquant+w8a8-timestep").steps] == [
-        "smoothquant",
-        "w8a8_timestep",
-    ]
+    with pytest.raises(RecipeError, match="targets 'w8a8_dynamic' but the recipe applies 'w8a8_static'"):
+        RecipeConfig("x", [SmoothQuantConfig(target="w8a8_dynamic"), W8A8StaticConfig()])
+    with pytest.raises(ValueError, match="target must be one of"):
+        SmoothQuantConfig(target="w8a16")
+    # the recipe tells the step which int8 layer its alpha search scores
+    for name, target in [
+        ("w8a8-static+smoothquant", "w8a8_static"),
+        ("smoothquant+w8a8-timestep", "w8a8_timestep"),
+        ("w8a8-dynamic+smoothquant", "w8a8_dynamic"),
+    ]:
+        steps = resolve_recipe(name).steps
+        assert [s.kind for s in steps] == ["smoothquant", target]
+        assert steps[0].target == target
+        assert RecipeConfig.from_dict(resolve_recipe(name).to_dict()).steps[0].target == target
 
     pipe = spec.build()
     ctx = StepContext(pipe, spec, None)
@@ -135,3 +144,41 @@ def test_smoothquant_needs_a_static_step_after_it_with_the_same_excludes(spec):
         apply_step(ctx, W8A8StaticConfig(calib_samples=1, exclude=(record["mul_scale"][0],)))
     with pytest.raises(ValueError, match="already smoothed"):
         apply_step(ctx, SmoothQuantConfig(calib_samples=1))
+
+
+def test_before_w8a8_dynamic_alpha_is_scored_per_token_and_the_package_round_trips(spec, tmp_path):
+    import numpy as np
+
+    import sdkiln
+    from sdkiln.configs import W8A8DynamicConfig
+    from sdkiln.optimizer.evaluate import generate
+    from sdkiln.runtime.quant.w8a8_dynamic import W8A8Linear
+
+    pipe = spec.build()
+    with torch.no_grad():  # the outlier channel of the test above
+        proj = pipe.transformer.get_submodule("transformer_blocks.0.ff.net.0.proj")
+        proj.weight[7] *= 30
+        proj.bias[7] = 30 * proj.bias[7].abs() + 30
+    ctx = StepContext(pipe, spec, None)
+    dynamic = apply_step(ctx, SmoothQuantConfig(calib_samples=1, target="w8a8_dynamic")).record
+    (group,) = [g for g in dynamic["groups"] if g["layers"] == ["transformer_blocks.0.ff.net.2"]]
+    assert group["alpha"] is not None
+    assert group["errors"][str(group["alpha"])] < 0.5 * group["errors"]["none"]
+    # per-token scales already absorb part of what a static range cannot: the errors differ
+    static = apply_step(StepContext(spec.build(), spec, None), SmoothQuantConfig(calib_samples=1)).record
+    assert [g["errors"] for g in static["groups"]] != [g["errors"] for g in dynamic["groups"]]
+
+    recipe = RecipeConfig("sq-dyn", [SmoothQuantConfig(calib_samples=1), W8A8DynamicConfig()])
+    result = sdkiln.optimize("flux-tiny", recipe, tmp_path / "pkg", eval_samples=0)
+    modules = result.manifest["modules"]
+    assert {e["scheme"] for e in modules.values()} == {"W8A8_DYNAMIC"}
+    smoothed = [n for n, e in modules.items() if e.get("smooth")]
+    assert smoothed and set(smoothed) == set(result.manifest["recipe"]["steps"][0]["result"]["mul_scale"])
+    loaded = sdkiln.load(result.package, device="cpu")
+    assert all(isinstance(loaded.transformer.get_submodule(f"{n}.linear"), W8A8Linear) for n in smoothed)
+    call = spec.call_kwargs()
+    prompts, seeds = list(spec.eval_prompts[:2]), [3, 4]
+    img_mem, lat_mem = generate(result.pipeline, call, prompts, seeds)
+    img_pkg, lat_pkg = generate(loaded, call, prompts, seeds)
+    assert torch.equal(lat_mem, lat_pkg)
+    assert np.array_equal(img_mem, img_pkg)
