@@ -53,11 +53,22 @@ def _run(pipe, spec, schedule: CacheSchedule | None, call, prompts, seeds, batch
     return images, runner
 
 
-def run(num_samples: int, steps: int, seed: int, guidances: list[float], batch: int) -> dict[str, Any]:
-    spec = get_spec("fmnist-flux")
+def run(
+    num_samples: int,
+    steps: int,
+    seed: int,
+    guidances: list[float],
+    batch: int,
+    model: str = "fmnist-flux",
+    search: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The report; ``search`` overrides the cache_auto options (a smoke test's small search)."""
+    spec = get_spec(model)
     base = spec.build()
     started = time.perf_counter()
-    recipe = RecipeConfig(name="cache-auto+guard", steps=[CacheAutoConfig(steps=steps, guard=True)])
+    recipe = RecipeConfig(
+        name="cache-auto+guard", steps=[CacheAutoConfig(steps=steps, guard=True, **(search or {}))]
+    )
     result = sdkiln.optimize(base, recipe, out_dir=None, eval_samples=0)
     search_seconds = time.perf_counter() - started
     guarded = CacheSchedule.from_dict(result.files[SCHEDULE_FILE])
@@ -120,6 +131,7 @@ def run(num_samples: int, steps: int, seed: int, guidances: list[float], batch: 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="fmnist-flux")
     parser.add_argument("--num-samples", type=int, default=40)
     parser.add_argument("--steps", type=int, default=28)
     parser.add_argument("--seed", type=int, default=20_000)
@@ -128,7 +140,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = parser.parse_args(argv)
     start = time.perf_counter()
-    report = run(args.num_samples, args.steps, args.seed, args.guidance, args.batch_size)
+    report = run(args.num_samples, args.steps, args.seed, args.guidance, args.batch_size, args.model)
     report["total_seconds"] = time.perf_counter() - start
     report["command"] = " ".join(
         ["python", "bench/cache_guard.py", *(argv if argv is not None else sys.argv[1:])]

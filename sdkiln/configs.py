@@ -132,7 +132,9 @@ class SmoothQuantConfig(StepConfig):
     def __post_init__(self) -> None:
         self.exclude = _patterns(self.exclude)
         if self.target is not None and self.target not in self.prepares:
-            raise ValueError(f"target must be one of {', '.join(self.prepares)} (or null: the recipe's next one)")
+            raise ValueError(
+                f"target must be one of {', '.join(self.prepares)} (or null: the recipe's next one)"
+            )
         self.alphas = tuple(float(a) for a in self.alphas)
         if not self.alphas or not all(0.0 <= a <= 1.0 for a in self.alphas):
             raise ValueError("alphas must be a non-empty list of values in [0, 1]")
@@ -368,7 +370,9 @@ class RecipeConfig:
             if target is None:
                 step.target = later[0]
             elif target not in later:
-                raise RecipeError(f"step {step.kind!r} targets {target!r} but the recipe applies {later[0]!r} after it")
+                raise RecipeError(
+                    f"step {step.kind!r} targets {target!r} but the recipe applies {later[0]!r} after it"
+                )
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "version": self.version, "steps": [s.to_dict() for s in self.steps]}

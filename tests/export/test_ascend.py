@@ -108,7 +108,15 @@ def test_export_follows_mindie_rules_and_keeps_every_value(results, name, tmp_pa
 
 @pytest.mark.parametrize(
     "name",
-    ["w8a8-dynamic", "w8a16", "w4a16", "w8a8", "w8a8-timestep", "smoothquant+w8a8", "smoothquant+w8a8-dynamic"],
+    [
+        "w8a8-dynamic",
+        "w8a16",
+        "w4a16",
+        "w8a8",
+        "w8a8-timestep",
+        "smoothquant+w8a8",
+        "smoothquant+w8a8-dynamic",
+    ],
 )
 def test_exported_layers_under_mindie_math_compute_the_float_layer(results, name, tmp_path):
     result = results[name]
