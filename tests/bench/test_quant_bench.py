@@ -67,13 +67,19 @@ def test_acceptance_accuracy_drop_in_points():
     ref = {"class_accuracy": 0.80}
     rows = [
         {"method": "w8a8-dynamic", "status": "ok", "class_accuracy": 0.78},
+        {"method": "w8a8-dynamic+smoothquant", "status": "ok", "class_accuracy": 0.81},
         {"method": "w8a8-timestep", "status": "ok", "class_accuracy": 0.77},
         {"method": "w4a16", "status": "failed"},
     ]
     result = {
         a["line"].split()[0]: a["result"] for a in bench.acceptance(ref, rows) if "accuracy" in a["line"]
     }
-    assert result == {"w8a8-dynamic": "pass", "w8a8-timestep": "FAIL", "w4a16": "not measured"}
+    assert result == {
+        "w8a8-dynamic": "pass",
+        "w8a8-dynamic+smoothquant": "pass",
+        "w8a8-timestep": "FAIL",
+        "w4a16": "not measured",
+    }
 
 
 def test_folded_smoothquant_layers_read_their_smoothed_input():
