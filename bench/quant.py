@@ -115,12 +115,15 @@ PEER_PACKAGES = {
 OURS = (
     "w8a8-dynamic",
     "w8a8-dynamic+smoothquant",
+    "w8a8-dynamic-gptq",
     "w8a8-static",
     "w8a8-static+smoothquant",
     "w8a8-timestep",
     "fp8-dynamic",
     "w8a16",
+    "w8a16-gptq",
     "w4a16",
+    "w4a16-gptq",
     "quant-auto",
 )
 METHODS = (*OURS, *PEERS)
@@ -441,9 +444,11 @@ def acceptance(reference: dict[str, Any], rows: list[dict[str, Any]]) -> list[di
     return [
         accuracy_drop("w8a8-dynamic", 2),
         accuracy_drop("w8a8-dynamic+smoothquant", 2),
+        accuracy_drop("w8a8-dynamic-gptq", 2),
         accuracy_drop("w8a8-timestep", 2),
         psnr_margin("w8a8-dynamic", "torchao-int8-dynamic", 0.0),
         psnr_margin("w8a8-dynamic+smoothquant", "torchao-int8-dynamic", 0.0),
+        psnr_margin("w8a8-dynamic-gptq", "torchao-int8-dynamic", 0.0),
         psnr_margin("w8a8-timestep", "w8a8-static", 1.0),
         accuracy_drop("w4a16", 5),
     ]

@@ -76,6 +76,36 @@ class StepConfig:
             raise RecipeError(f"step {kind!r}: {exc}") from None
 
 
+WEIGHT_ROUNDINGS = ("nearest", "gptq")
+
+
+@dataclass
+class WeightRounding:
+    """How a weight-quantizing step rounds onto its grid: ``"nearest"`` (no calibration), or
+    ``"gptq"``: GPTQ against each layer's input second moments from ``calib_samples`` calibration
+    prompts (``sdkiln.optimizer.gptq``; same scales, same files, other integers), with ``gptq_damp``
+    as the Hessian damping and ``max_hessian_mb`` as the memory the [K, K] matrices of one
+    calibration pass may take (more layers than fit take more passes)."""
+
+    weight_rounding: str = "nearest"
+    calib_samples: int = 8
+    calib_steps: int | None = None
+    gptq_damp: float = 0.01
+    max_hessian_mb: int = 2048
+
+
+def _check_rounding(cfg: WeightRounding) -> None:
+    if cfg.weight_rounding not in WEIGHT_ROUNDINGS:
+        raise ValueError(
+            f"weight_rounding must be one of {', '.join(WEIGHT_ROUNDINGS)}, got {cfg.weight_rounding!r}"
+        )
+    _check_calibration(cfg)
+    if not cfg.gptq_damp > 0:
+        raise ValueError("gptq_damp must be > 0")
+    if cfg.max_hessian_mb < 1:
+        raise ValueError("max_hessian_mb must be >= 1")
+
+
 def _patterns(value) -> tuple[str, ...]:
     if isinstance(value, str) or not all(isinstance(p, str) for p in value):
         raise ValueError("exclude must be a list of fnmatch patterns")
@@ -84,11 +114,12 @@ def _patterns(value) -> tuple[str, ...]:
 
 @register_config
 @dataclass
-class W8A8DynamicConfig(StepConfig):
+class W8A8DynamicConfig(WeightRounding, StepConfig):
     """int8 per-output-channel symmetric weights; int8 per-token symmetric activations, computed at run time.
 
     Applies to every ``nn.Linear`` inside the transformer blocks except the family's float list and
-    the extra fnmatch patterns in ``exclude``. Needs no calibration data.
+    the extra fnmatch patterns in ``exclude``. Needs no calibration data unless its weights are
+    rounded by GPTQ (``WeightRounding``).
     """
 
     kind: ClassVar[str] = "w8a8_dynamic"
@@ -99,6 +130,7 @@ class W8A8DynamicConfig(StepConfig):
 
     def __post_init__(self) -> None:
         self.exclude = _patterns(self.exclude)
+        _check_rounding(self)
 
 
 def _check_calibration(cfg) -> None:
@@ -207,8 +239,8 @@ class FP8DynamicConfig(StepConfig):
 
 @register_config
 @dataclass
-class W8A16Config(StepConfig):
-    """Weight-only int8, per-channel symmetric; activations stay in float."""
+class W8A16Config(WeightRounding, StepConfig):
+    """Weight-only int8, per-channel symmetric; activations stay in float. Rounding: ``WeightRounding``."""
 
     kind: ClassVar[str] = "w8a16"
     order: ClassVar[int] = 20
@@ -218,12 +250,14 @@ class W8A16Config(StepConfig):
 
     def __post_init__(self) -> None:
         self.exclude = _patterns(self.exclude)
+        _check_rounding(self)
 
 
 @register_config
 @dataclass
-class W4A16Config(StepConfig):
-    """Weight-only int4, group-wise symmetric (``group_size`` 64 or 128), two values per byte."""
+class W4A16Config(WeightRounding, StepConfig):
+    """Weight-only int4, group-wise symmetric (``group_size`` 64 or 128), two values per byte.
+    Rounding: ``WeightRounding``."""
 
     kind: ClassVar[str] = "w4a16"
     order: ClassVar[int] = 20
@@ -234,6 +268,7 @@ class W4A16Config(StepConfig):
 
     def __post_init__(self) -> None:
         self.exclude = _patterns(self.exclude)
+        _check_rounding(self)
         if self.group_size not in (64, 128):
             raise ValueError("group_size must be 64 or 128")
 

@@ -45,3 +45,22 @@ def flux_tiny():
     pipe = spec.build()
     pipe.set_progress_bar_config(disable=True)
     return spec, pipe
+
+
+@pytest.fixture(scope="session")
+def assert_same_outputs():
+    """``check(result, loaded)``: the loaded package generates latents and images bit-identical to
+    the in-memory optimized pipeline of ``result`` (two eval prompts, seeds 3 and 4)."""
+    import numpy as np
+
+    from sdkiln.optimizer.evaluate import generate
+
+    def check(result, loaded) -> None:
+        call = result.spec.call_kwargs()
+        prompts, seeds = list(result.spec.eval_prompts[:2]), [3, 4]
+        img_mem, lat_mem = generate(result.pipeline, call, prompts, seeds)
+        img_pkg, lat_pkg = generate(loaded, call, prompts, seeds)
+        assert torch.equal(lat_mem, lat_pkg)
+        assert np.array_equal(img_mem, img_pkg)
+
+    return check

@@ -24,9 +24,12 @@ from sdkiln.errors import RecipeError
 NAMED_RECIPES: dict[str, Callable[[], list[StepConfig]]] = {
     "none": lambda: [],
     "w8a8-dynamic": lambda: [W8A8DynamicConfig()],
+    "w8a8-dynamic-gptq": lambda: [W8A8DynamicConfig(weight_rounding="gptq")],
     "fp8-dynamic": lambda: [FP8DynamicConfig()],
     "w8a16": lambda: [W8A16Config()],
     "w4a16": lambda: [W4A16Config()],
+    "w8a16-gptq": lambda: [W8A16Config(weight_rounding="gptq")],
+    "w4a16-gptq": lambda: [W4A16Config(weight_rounding="gptq")],
     "w8a8-static": lambda: [W8A8StaticConfig()],
     "w8a8-timestep": lambda: [W8A8TimestepConfig()],
     "smoothquant": lambda: [SmoothQuantConfig()],

@@ -5,17 +5,58 @@ multiple of the group size cannot take it. Such a layer stays in float, is liste
 ``float`` layers (which ``sdkiln inspect`` reports) and, with its in_features, under
 ``not_divisible``, and the step warns. That keeps one odd-sized layer from failing a whole model;
 a step that leaves nothing to quantize is an error.
+
+With ``weight_rounding="gptq"`` the scales stay those of nearest rounding and the integers are
+rounded by GPTQ (``sdkiln.optimizer.gptq``) against one calibration run's input second moments.
 """
 
 from __future__ import annotations
 
 import functools
 import warnings
+from collections.abc import Callable
+
+from torch import nn
 
 from sdkiln.configs import W4A16Config, W8A16Config
+from sdkiln.optimizer.calibrated_layers import CONFIG_FILE
+from sdkiln.optimizer.gptq import gptq_hessians, gptq_layer, gptq_record
 from sdkiln.optimizer.layers import block_linears, replace_linears
 from sdkiln.optimizer.registry import StepContext, StepResult, register_transform
-from sdkiln.runtime.quant.weight_only import W4A16Linear, W8A16Linear
+from sdkiln.runtime.quant.weight_only import INT4_QMAX, W4A16Linear, W8A16Linear
+
+
+def _swap(
+    ctx: StepContext,
+    config: W8A16Config | W4A16Config,
+    names: list[str],
+    build: Callable[[nn.Linear], nn.Module],
+    qrange: tuple[int, int],
+    record: dict,
+) -> StepResult:
+    """Swap the named Linears for ``build(linear)``; with GPTQ, re-round each module's integers on
+    its own grid and record the calibration."""
+    hessians, files = {}, {}
+    if config.weight_rounding == "gptq":
+        hessians, record["calibration"] = gptq_hessians(ctx, config, names)
+    ratios = {}
+    name_of = {id(ctx.transformer.get_submodule(n)): n for n in names}
+
+    def build_rounded(linear: nn.Linear) -> nn.Module:
+        module = build(linear)
+        if hessians:
+            name = name_of[id(linear)]
+            values, ratios[name] = gptq_layer(
+                linear.weight, hessians.pop(name), module.weight_scale, *qrange, config.gptq_damp
+            )
+            module.set_values(values)
+        return module
+
+    modules = replace_linears(ctx.transformer, names, build_rounded)
+    if ratios:
+        record.update(gptq_record(ratios))
+        files[CONFIG_FILE] = {config.kind: record["calibration"]}
+    return StepResult(modules=modules, record=record, files=files)
 
 
 @register_transform(W8A16Config)
@@ -23,8 +64,8 @@ def apply_w8a16(ctx: StepContext, config: W8A16Config) -> StepResult:
     chosen, kept = block_linears(ctx, config.exclude)
     if not chosen:
         raise ValueError("w8a16 found no Linear layer to quantize inside the transformer blocks")
-    modules = replace_linears(ctx.transformer, chosen, W8A16Linear.from_linear)
-    return StepResult(modules=modules, record={"quantized": chosen, "float": kept, "calibration": None})
+    record = {"quantized": chosen, "float": kept, "calibration": None}
+    return _swap(ctx, config, chosen, W8A16Linear.from_linear, (-128, 127), record)
 
 
 @register_transform(W4A16Config)
@@ -49,7 +90,6 @@ def apply_w4a16(ctx: StepContext, config: W4A16Config) -> StepResult:
             stacklevel=2,
         )
     build = functools.partial(W4A16Linear.from_linear, group_size=config.group_size)
-    modules = replace_linears(model, chosen, build)
     record = {
         "quantized": chosen,
         "float": kept + sorted(not_divisible),
@@ -57,4 +97,4 @@ def apply_w4a16(ctx: StepContext, config: W4A16Config) -> StepResult:
         "group_size": config.group_size,
         "calibration": None,
     }
-    return StepResult(modules=modules, record=record)
+    return _swap(ctx, config, chosen, build, (-INT4_QMAX, INT4_QMAX), record)

@@ -68,6 +68,7 @@ def test_acceptance_accuracy_drop_in_points():
     rows = [
         {"method": "w8a8-dynamic", "status": "ok", "class_accuracy": 0.78},
         {"method": "w8a8-dynamic+smoothquant", "status": "ok", "class_accuracy": 0.81},
+        {"method": "w8a8-dynamic-gptq", "status": "ok", "class_accuracy": 0.79},
         {"method": "w8a8-timestep", "status": "ok", "class_accuracy": 0.77},
         {"method": "w4a16", "status": "failed"},
     ]
@@ -77,6 +78,7 @@ def test_acceptance_accuracy_drop_in_points():
     assert result == {
         "w8a8-dynamic": "pass",
         "w8a8-dynamic+smoothquant": "pass",
+        "w8a8-dynamic-gptq": "pass",
         "w8a8-timestep": "FAIL",
         "w4a16": "not measured",
     }

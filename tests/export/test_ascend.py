@@ -49,6 +49,9 @@ RECIPES = {
     "smoothquant+w8a8-dynamic": RecipeConfig(
         "smoothquant+w8a8-dynamic", [SmoothQuantConfig(calib_samples=1), W8A8DynamicConfig()]
     ),
+    "w8a8-dynamic-gptq": RecipeConfig(
+        "w8a8-dynamic-gptq", [W8A8DynamicConfig(weight_rounding="gptq", calib_samples=1)]
+    ),
     "mixed": RecipeConfig(
         "mixed",
         [
@@ -116,6 +119,7 @@ def test_export_follows_mindie_rules_and_keeps_every_value(results, name, tmp_pa
         "w8a8-timestep",
         "smoothquant+w8a8",
         "smoothquant+w8a8-dynamic",
+        "w8a8-dynamic-gptq",
     ],
 )
 def test_exported_layers_under_mindie_math_compute_the_float_layer(results, name, tmp_path):

@@ -4,14 +4,11 @@ import json
 import os
 import shutil
 
-import numpy as np
 import pytest
-import torch
 
 import sdkiln
 from sdkiln.errors import PackageError
 from sdkiln.export import atomic, package_writer
-from sdkiln.optimizer.evaluate import generate
 from sdkiln.runtime import W8A8Linear, open_package
 
 
@@ -34,16 +31,11 @@ def _rewrite_manifest(root, edit):
     path.write_text(json.dumps(m))
 
 
-def test_save_load_is_bit_identical(flux_result):
+def test_save_load_is_bit_identical(flux_result, assert_same_outputs):
     loaded = sdkiln.load(flux_result.package, device="cpu")
     t = loaded.transformer
     assert sum(isinstance(m, W8A8Linear) for m in t.modules()) == len(flux_result.manifest["modules"])
-    call = flux_result.spec.call_kwargs()
-    prompts, seeds = list(flux_result.spec.eval_prompts[:2]), [3, 4]
-    img_mem, lat_mem = generate(flux_result.pipeline, call, prompts, seeds)
-    img_pkg, lat_pkg = generate(loaded, call, prompts, seeds)
-    assert torch.equal(lat_mem, lat_pkg)
-    assert np.array_equal(img_mem, img_pkg)
+    assert_same_outputs(flux_result, loaded)
 
 
 def test_manifest_records_recipe_files_and_quality(flux_result):

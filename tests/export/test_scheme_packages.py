@@ -4,15 +4,12 @@ bytes ``sdkiln inspect`` reports, and a manifest whose module parameters do not 
 import json
 import shutil
 
-import numpy as np
 import pytest
-import torch
 from safetensors import safe_open
 
 import sdkiln
 from sdkiln.cli import main
 from sdkiln.errors import PackageError
-from sdkiln.optimizer.evaluate import generate
 from sdkiln.runtime.quant.fp8_dynamic import FP8Linear
 from sdkiln.runtime.quant.weight_only import W4A16Linear, W8A16Linear
 
@@ -27,17 +24,12 @@ def results(tmp_path_factory):
 
 
 @pytest.mark.parametrize("recipe", list(RECIPES))
-def test_save_load_is_bit_identical(results, recipe):
+def test_save_load_is_bit_identical(results, recipe, assert_same_outputs):
     result = results[recipe]
     loaded = sdkiln.load(result.package, device="cpu")
     swapped = [m for m in loaded.transformer.modules() if type(m) is RECIPES[recipe]]
     assert len(swapped) == len(result.manifest["modules"]) > 0
-    call = result.spec.call_kwargs()
-    prompts, seeds = list(result.spec.eval_prompts[:2]), [3, 4]
-    img_mem, lat_mem = generate(result.pipeline, call, prompts, seeds)
-    img_pkg, lat_pkg = generate(loaded, call, prompts, seeds)
-    assert torch.equal(lat_mem, lat_pkg)
-    assert np.array_equal(img_mem, img_pkg)
+    assert_same_outputs(result, loaded)
 
 
 def test_stored_tensors_are_fp8_int8_and_packed_int4(results):

@@ -57,6 +57,10 @@ class _WeightOnlyLinear(nn.Module):
         if linear.bias is not None:
             self.bias.copy_(linear.bias.detach())
 
+    def set_values(self, values: torch.Tensor) -> None:
+        """Replace the integer values [N, K] (any dtype holding integers in range), keeping the scales."""
+        self.weight.copy_(values.to(torch.int8))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return kernels.weight_only_linear(x, self.weight, self.weight_scale, self.bias, self.group_size)
 
@@ -142,6 +146,11 @@ class W4A16Linear(_WeightOnlyLinear):
         values, scale = _symmetric(groups, INT4_QMAX)
         mod._fill(linear, pack_int4(values.reshape(linear.out_features, linear.in_features)), scale)
         return mod
+
+    def set_values(self, values: torch.Tensor) -> None:
+        if values.abs().max() > INT4_QMAX:
+            raise ValueError(f"W4A16 values must lie in [-{INT4_QMAX}, {INT4_QMAX}]")
+        self.weight.copy_(pack_int4(values.to(torch.int8)))
 
     def params(self) -> dict:
         return {"group_size": self.group_size}
