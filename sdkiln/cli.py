@@ -160,6 +160,10 @@ def cmd_inspect(args) -> int:
                 f"cache guard: {g['indicator']} above {g['quantile']:g}-quantile x {g['margin']:g} of calibration runs "
                 f"the step full (held-out: {held.get('forced', '?')} of {held.get('checks', '?')} reuse checks forced)"
             )
+    for kind, ratio in summary["gptq"].items():
+        print(
+            f"{kind}: weights rounded by GPTQ (median calibration output error {ratio:.3f}x nearest rounding's)"
+        )
     print(f"package size: {summary['package_bytes']:,} bytes")
     quality = pkg.read_json("eval/quality.json")
     print("\n".join(_quality_lines(quality)))

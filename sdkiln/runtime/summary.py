@@ -71,6 +71,11 @@ def summarize(pkg: Package) -> dict[str, Any]:
         "transformer_bytes": total,
         "package_bytes": sum(f["size"] for f in m["files"].values()),
         "cache": cache,
+        "gptq": {
+            s["config"]["kind"]: s["result"]["gptq_error_ratio_median"]
+            for s in m["recipe"]["steps"]
+            if s["result"].get("weight_rounding") == "gptq"
+        },
     }
 
 

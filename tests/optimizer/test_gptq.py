@@ -15,8 +15,10 @@ from sdkiln.errors import RecipeError
 from sdkiln.kernels.int4 import unpack_int4
 from sdkiln.optimizer.gptq import expand_scale, gptq_round, output_error
 from sdkiln.optimizer.recipes import resolve_recipe
+from sdkiln.runtime.package import open_package
 from sdkiln.runtime.quant.w8a8_dynamic import W8A8Linear, int8_weight
 from sdkiln.runtime.quant.weight_only import W4A16Linear, W8A16Linear
+from sdkiln.runtime.summary import summarize
 
 # Tolerances, stated once. Integer results and package round trips are exact (torch.equal). The
 # streamed second moment is an fp32 running mean against a float64 product: within 1e-5 of the
@@ -163,6 +165,7 @@ def test_gptq_package_round_trips_bit_identically_and_records_its_calibration(
     assert record["weight_rounding"] == "gptq"
     assert set(record["gptq_error_ratio"]) == set(result.manifest["modules"])
     assert record["gptq_error_ratio_median"] < 1.0
+    assert summarize(open_package(result.package))["gptq"] == {kind: record["gptq_error_ratio_median"]}
     config = json.loads((result.package / "calibration/config.json").read_text())
     assert config[kind]["steps"] == 2 and config[kind]["seeds"] == [0]
     loaded = sdkiln.load(result.package, device="cpu")
