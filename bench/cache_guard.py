@@ -32,9 +32,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import quant  # noqa: E402  (bench/quant.py: the machine description)
 
 import sdkiln  # noqa: E402
+from sdkiln import metrics  # noqa: E402
 from sdkiln.configs import CacheAutoConfig, RecipeConfig  # noqa: E402
 from sdkiln.model_zoo import get_spec  # noqa: E402
-from sdkiln.optimizer import metrics  # noqa: E402
 from sdkiln.optimizer.evaluate import PSNR_CAP_DB, generate, sample_plan  # noqa: E402
 from sdkiln.runtime.cache import SCHEDULE_FILE, CacheSchedule, attach_cache, detach_cache  # noqa: E402
 
@@ -91,7 +91,7 @@ def run(
             images, runner = _run(
                 pipe, spec, schedule, call, cond_prompts, seeds, batch, f"{name}: {variant}"
             )
-            psnr = np.minimum(metrics.psnr(images, reference), PSNR_CAP_DB)
+            psnr = np.minimum(metrics.psnr(reference, images), PSNR_CAP_DB)
             row = {
                 "condition": name,
                 "guidance": guidance,

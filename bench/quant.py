@@ -52,12 +52,12 @@ from torch import nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 import sdkiln
+from sdkiln import metrics
 from sdkiln.calibrate.observers import observing
 from sdkiln.configs import RecipeConfig, SmoothQuantConfig
 from sdkiln.errors import RecipeError
 from sdkiln.model_zoo import get_spec
 from sdkiln.model_zoo.fingerprint import weights_hash
-from sdkiln.optimizer import metrics
 from sdkiln.optimizer.calibrated_layers import STATS_FILE
 from sdkiln.optimizer.evaluate import PSNR_CAP_DB, generate, sample_plan
 from sdkiln.optimizer.layers import block_linears
@@ -279,12 +279,12 @@ def _prepare(method: str, base, spec, names: list[str], steps: int):
 def _scores(images: np.ndarray, base_images: np.ndarray | None, spec, prompts: list[str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if base_images is not None:
-        psnr = np.minimum(metrics.psnr(images, base_images), PSNR_CAP_DB)
+        psnr = np.minimum(metrics.psnr(base_images, images), PSNR_CAP_DB)
         out |= {
             "psnr": float(psnr.mean()),
             "psnr_p5": float(np.percentile(psnr, 5)),
             "psnr_min": float(psnr.min()),
-            "ssim": float(metrics.ssim(images, base_images).mean()),
+            "ssim": float(metrics.ssim(base_images, images).mean()),
             "psnr_per_sample": [round(float(p), 3) for p in psnr],
         }
     if spec.metrics is not None:

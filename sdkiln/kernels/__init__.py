@@ -1,26 +1,28 @@
-"""Fused-kernel ops and the platform object. Importing this package registers the ``sdkiln`` ops
-(``torch.ops.sdkiln.*``) with their pure-torch references; it imports neither triton nor torch_npu."""
+"""Fused-kernel ops and the platform object. Importing this package defines the ``sdkiln`` ops
+(``torch.ops.sdkiln.*``) with their pure-torch references; it imports neither triton nor torch_npu.
+A device's kernels register only through ``load_device_kernels(device_type)``."""
 
-from sdkiln.kernels.ops import (
-    attention,
-    fp8_linear,
-    fp8_quantize_per_token,
-    gelu_tanh,
-    implementation,
-    layer_norm_modulate,
-    mul_add,
-    op_names,
+from sdkiln.kernels.ops.attention import attention
+from sdkiln.kernels.ops.elementwise import gelu_tanh, mul_add
+from sdkiln.kernels.ops.fp8 import fp8_linear, fp8_quantize_per_token
+from sdkiln.kernels.ops.int8 import (
     quantize_per_tensor_int8,
     quantize_per_token_int8,
-    register_kernel,
-    remove_kernel,
-    rms_norm,
-    rope,
     w8a8_linear,
     w8a8_static_linear,
-    weight_only_linear,
 )
+from sdkiln.kernels.ops.norm import layer_norm_modulate, rms_norm
+from sdkiln.kernels.ops.rope import rope
+from sdkiln.kernels.ops.weight_only import weight_only_linear
 from sdkiln.kernels.platform import Platform, current_platform, resolve_device
+from sdkiln.kernels.registry import (
+    implementation,
+    kernels,
+    load_device_kernels,
+    op_names,
+    register_kernel,
+    remove_kernel,
+)
 
 __all__ = [
     "Platform",
@@ -30,7 +32,9 @@ __all__ = [
     "fp8_quantize_per_token",
     "gelu_tanh",
     "implementation",
+    "kernels",
     "layer_norm_modulate",
+    "load_device_kernels",
     "mul_add",
     "op_names",
     "quantize_per_tensor_int8",

@@ -1,9 +1,12 @@
 """One object that answers device questions: which accelerator, its dispatch key, its collective
-backend, how to synchronize it and how much memory is in use.
+backend, which modules hold its fused kernels, how to synchronize it and how much memory is in use.
 
-Detection is lazy (on the first ``current_platform()``) and in this order: a CUDA device; an Ascend
-NPU (torch_npu importable and reporting a device); otherwise the CPU. torch_npu is imported only
-then, never by ``import sdkiln``: without Ascend's CANN its import fails, and it patches torch.
+Every device-type fact lives on the platform classes (``PLATFORMS``); ``DISPATCH_KEYS`` is derived
+from them. Detection is lazy (on the first ``current_platform()``) and in this order: a CUDA device;
+an Ascend NPU (torch_npu importable and reporting a device); otherwise the CPU. torch_npu is imported
+only then, never by ``import sdkiln``: without Ascend's CANN its import fails, and it patches torch.
+Detection registers no kernel: the runtime asks for a device's kernels explicitly
+(``sdkiln.kernels.load_device_kernels``).
 """
 
 from __future__ import annotations
@@ -16,22 +19,20 @@ import resource
 import sys
 import warnings
 from types import ModuleType
+from typing import ClassVar
 
 import torch
-
-# The torch dispatch key that a device type's tensors use; torch_npu claims PrivateUse1.
-DISPATCH_KEYS = {"cpu": "CPU", "cuda": "CUDA", "npu": "PrivateUse1"}
 
 
 class Platform(abc.ABC):
     """Device questions for one kind of machine; ``current_platform()`` returns the detected one."""
 
-    device_type: str
-    dist_backend: str
-
-    @property
-    def dispatch_key(self) -> str:
-        return DISPATCH_KEYS[self.device_type]
+    device_type: ClassVar[str]
+    dispatch_key: ClassVar[str]
+    """The torch dispatch key of this device type's tensors (torch_npu claims PrivateUse1)."""
+    dist_backend: ClassVar[str]
+    kernel_modules: ClassVar[tuple[str, ...]] = ()
+    """Modules whose import registers this device type's fused kernels (``load_device_kernels``)."""
 
     @property
     def is_cuda(self) -> bool:
@@ -62,6 +63,7 @@ class Platform(abc.ABC):
 
 class CpuPlatform(Platform):
     device_type = "cpu"
+    dispatch_key = "CPU"
     dist_backend = "gloo"
 
     def device(self, index: int = 0) -> torch.device:
@@ -93,7 +95,9 @@ class CpuPlatform(Platform):
 
 class CudaPlatform(Platform):
     device_type = "cuda"
+    dispatch_key = "CUDA"
     dist_backend = "nccl"
+    kernel_modules = ("sdkiln.kernels.cuda",)
 
     def synchronize(self) -> None:
         torch.cuda.synchronize()
@@ -109,7 +113,9 @@ class CudaPlatform(Platform):
 
 class NpuPlatform(Platform):
     device_type = "npu"
+    dispatch_key = "PrivateUse1"
     dist_backend = "hccl"
+    kernel_modules = ("sdkiln.kernels.npu",)
 
     def __init__(self, torch_npu: ModuleType):
         self._npu = torch_npu.npu
@@ -124,6 +130,18 @@ class NpuPlatform(Platform):
             "peak_allocated_bytes": self._npu.max_memory_allocated(),
             "reserved_bytes": self._npu.memory_reserved(),
         }
+
+
+PLATFORMS: tuple[type[Platform], ...] = (CpuPlatform, CudaPlatform, NpuPlatform)
+DISPATCH_KEYS = {p.device_type: p.dispatch_key for p in PLATFORMS}
+
+
+def platform_class(device_type: str) -> type[Platform]:
+    """The platform class of ``device_type`` ("cpu", "cuda", "npu")."""
+    for p in PLATFORMS:
+        if p.device_type == device_type:
+            return p
+    raise ValueError(f"unknown device type {device_type!r}; known: {', '.join(DISPATCH_KEYS)}")
 
 
 def _import_torch_npu() -> ModuleType | None:
@@ -149,8 +167,6 @@ def current_platform() -> Platform:
         return CudaPlatform()
     torch_npu = _import_torch_npu()
     if torch_npu is not None and torch_npu.npu.is_available():
-        # The torch_npu kernels of the sdkiln ops; importable only now that torch_npu imported.
-        importlib.import_module("sdkiln.kernels.npu").register_npu_kernels()
         return NpuPlatform(torch_npu)
     return CpuPlatform()
 

@@ -40,12 +40,12 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
+from sdkiln import metrics
 from sdkiln.calibrate.cache_profile import HEATMAP_FILE, PROFILE_FILE, heatmap_png, profile
 from sdkiln.calibrate.loop import PromptLoop
 from sdkiln.calibrate.trajectories import Trajectories
 from sdkiln.configs import CacheAutoConfig
 from sdkiln.model_zoo.fingerprint import fingerprint
-from sdkiln.optimizer import metrics
 from sdkiln.optimizer.cache_layout import block_layout, run_sigmas
 from sdkiln.optimizer.cache_plan import ErrorModel, Segment, fill_gaps
 from sdkiln.optimizer.evaluate import PSNR_CAP_DB, generate
@@ -122,11 +122,11 @@ class Search:
                 detach_cache(self.ctx.transformer)
             for n in range(1, length + 1):  # after[n]: the latents after step s + n
                 self.model.local[Segment(s, n, action)] = float(
-                    metrics.rel_l2(after[n], reference[s + n + 1]).mean()
+                    metrics.rel_l2(reference[s + n + 1], after[n]).mean()
                 )
             if stop == t - 1:
                 local = self.model.local[Segment(s, length, action)]
-                final = float(metrics.rel_l2(after[-1], reference[t]).mean())
+                final = float(metrics.rel_l2(reference[t], after[-1]).mean())
                 if local > 0:
                     gains.setdefault(s + length, []).append(final / local)
         self.model.gain = fill_gaps({j: float(np.mean(g)) for j, g in gains.items()}, t)
@@ -143,8 +143,8 @@ class Search:
             images, latents = generate(self.ctx.pipeline, call, prompts, seeds, len(prompts), "confirm")
         finally:
             detach_cache(self.ctx.transformer)
-        psnr = np.minimum(metrics.psnr(images, reference_images), PSNR_CAP_DB)
-        rel = metrics.rel_l2(latents, reference_latents)
+        psnr = np.minimum(metrics.psnr(reference_images, images), PSNR_CAP_DB)
+        rel = metrics.rel_l2(reference_latents, latents)
         return {
             "actions": [str(a) for a in actions],
             "block_evaluations_ratio": schedule.block_evaluations_ratio(),
@@ -153,7 +153,7 @@ class Search:
             "psnr_p5": float(np.percentile(psnr, 5)),
             "rel_l2_mean": float(rel.mean()),
             "rel_l2_p95": float(np.percentile(rel, 95)),
-            "ssim_mean": float(metrics.ssim(images, reference_images).mean()),
+            "ssim_mean": float(metrics.ssim(reference_images, images).mean()),
         } | ({"guard": {"checks": runner.guard_checks, "forced": runner.guard_forced}} if guards else {})
 
     def calibrate_guard(self, actions: list[Action], prompts, seeds) -> Guard:

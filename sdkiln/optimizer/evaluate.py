@@ -15,8 +15,8 @@ import torch
 from PIL import Image
 from tqdm.auto import tqdm
 
+from sdkiln import metrics
 from sdkiln.model_zoo import ModelSpec
-from sdkiln.optimizer import metrics
 from sdkiln.runtime.cache import cache_runner
 
 PSNR_CAP_DB = 100.0
@@ -83,14 +83,14 @@ def compare(
     if runner is not None:
         runner.reset_counters()
     opt_imgs, opt_lat = generate(optimized, call, prompts, seeds, batch_size, "optimized")
-    psnr = np.minimum(metrics.psnr(opt_imgs, base_imgs), PSNR_CAP_DB)
+    psnr = np.minimum(metrics.psnr(base_imgs, opt_imgs), PSNR_CAP_DB)
     report: dict[str, Any] = {
         "psnr": float(psnr.mean()),
         "psnr_p5": float(np.percentile(psnr, 5)),
         "psnr_min": float(psnr.min()),
-        "ssim": float(metrics.ssim(opt_imgs, base_imgs).mean()),
-        "cosine": float(metrics.cosine(opt_imgs, base_imgs).mean()),
-        "latent_rel_l2": float(metrics.rel_l2(opt_lat, base_lat).mean()),
+        "ssim": float(metrics.ssim(base_imgs, opt_imgs).mean()),
+        "cosine": float(metrics.cosine(base_imgs, opt_imgs).mean()),
+        "latent_rel_l2": float(metrics.rel_l2(base_lat, opt_lat).mean()),
         "num_samples": num_samples,
         "steps": call.get("num_inference_steps"),
         "guidance": call.get(spec.guidance_arg),

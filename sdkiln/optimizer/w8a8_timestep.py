@@ -20,6 +20,7 @@ import torch
 
 from sdkiln.calibrate.loop import PromptLoop
 from sdkiln.configs import W8A8TimestepConfig
+from sdkiln.metrics import rel_l2
 from sdkiln.optimizer.calibrated_layers import (
     calibrate,
     calibrated_targets,
@@ -28,7 +29,6 @@ from sdkiln.optimizer.calibrated_layers import (
     replace,
     require_every_step,
 )
-from sdkiln.optimizer.metrics import rel_l2
 from sdkiln.optimizer.registry import StepContext, StepResult, register_transform
 from sdkiln.runtime.quant.w8a8_timestep import W8A8TimestepLinear
 from sdkiln.runtime.steps import attach_step_tracker
@@ -69,7 +69,7 @@ def apply_w8a8_timestep(ctx: StepContext, config: W8A8TimestepConfig) -> StepRes
     for k in sorted({min(k, num_steps) for k in config.dynamic_steps}):
         for _, module in quantized:
             module.dynamic_steps = k
-        errors[k] = float(rel_l2(search.run(ctx.pipeline, capture_latents=True), reference).mean())
+        errors[k] = float(rel_l2(reference, search.run(ctx.pipeline, capture_latents=True)).mean())
     best = min(errors, key=lambda k: (errors[k], k))
     for _, module in quantized:
         module.dynamic_steps = best

@@ -2,13 +2,17 @@
 independent formulas on every device present. Schema/fake/dispatch checks (opcheck) run for these
 ops with the others in test_ops.py."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 import sdkiln.kernels as K
-from sdkiln.kernels import reference
+from sdkiln.kernels.cuda import scaled_mm
 from sdkiln.kernels.int4 import pack_int4, unpack_int4
+from sdkiln.kernels.ops import fp8, weight_only
+from sdkiln.metrics import sqnr_db
 
 # Tolerances, stated once (STYLE habit 12).
 # Exact (torch.equal): fp8 quantization against its formula; fp8_linear against an int64 matmul of
@@ -20,8 +24,11 @@ TOL = {
     torch.bfloat16: dict(rtol=1.6e-2, atol=1e-2),
     torch.float16: dict(rtol=1e-3, atol=1e-3),
 }
-# torch._scaled_mm (an fp32-accumulating fp8 kernel) against the exact reference, outputs of size ~1.
-SCALED_MM_TOL = dict(rtol=1e-5, atol=1e-5)
+# The scaled_mm kernel (torch._scaled_mm, row-wise scales, bfloat16 out) against the exact reference:
+# both round to bfloat16 once, but Hopper's fp8 tensor cores accumulate with fewer bits than fp32, so
+# an elementwise bound fails on outputs near zero (seen on an H100: max relative difference 0.13);
+# the signal-to-noise of the whole output is the measure (STYLE.md: kernel vs reference > 35 dB).
+SCALED_MM_VS_REFERENCE_MIN_SQNR_DB = 35.0
 # Quantized against float, signal-to-quantization-noise ratio on Gaussian data (3 mantissa bits give
 # about 31.6 dB for the values alone, and 28.5 dB for a layer quantizing both operands):
 FP8_QUANTIZE_MIN_SQNR_DB = 29.0
@@ -37,11 +44,6 @@ def _seed():
 
 def randn(*shape, device, dtype=torch.float32, scale=1.0):
     return (torch.randn(*shape) * scale).to(device=device, dtype=dtype)
-
-
-def sqnr_db(signal: torch.Tensor, approx: torch.Tensor) -> float:
-    signal, approx = signal.double(), approx.double()
-    return (10 * torch.log10(signal.pow(2).mean() / (signal - approx).pow(2).mean())).item()
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
@@ -102,20 +104,46 @@ def test_fp8_linear_is_exact(device, out_dtype, with_bias):
     assert torch.equal(K.fp8_linear(xq[:1, :1], xs[:1, :1], wq, ws, bias, out_dtype), out[:1, :1])
 
 
-def test_fp8_linear_matches_scaled_mm(device):
-    """torch's own fp8 GEMM with row-wise scales, the mapping a fused CUDA kernel would use."""
-    if device.type == "npu" or (device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9)):
-        pytest.skip("torch._scaled_mm needs a CPU or a CUDA device of compute capability >= 8.9")
+def test_fp8_linear_scaled_mm_kernel(device):
+    """The CUDA kernel of fp8_linear, torch._scaled_mm with row-wise scales, against the reference.
+
+    On a GPU of compute capability >= 8.9 it is loaded, asserted to be what runs, and measured
+    through the op. Elsewhere the kernel function is called directly (``_scaled_mm`` runs on CPU
+    too), so its argument mapping is checked on every machine; NPUs have no ``_scaled_mm``.
+    """
+    if device.type == "npu":
+        pytest.skip("torch._scaled_mm does not run on NPUs")
     _, _, b, xq, xs, wq, ws = fp8_operands(16, 256, 64, device)
-    xq, xs = xq.reshape(32, 256), xs.reshape(32, 1)
-    expected = torch._scaled_mm(
-        xq, wq.T, scale_a=xs, scale_b=ws.T, bias=b.bfloat16(), out_dtype=torch.bfloat16
-    )
-    torch.testing.assert_close(
-        K.fp8_linear(xq, xs, wq, ws, b.bfloat16(), torch.bfloat16), expected, **TOL[torch.bfloat16]
-    )
-    expected = torch._scaled_mm(xq, wq.T, scale_a=xs, scale_b=ws.T, out_dtype=torch.float32)
-    torch.testing.assert_close(K.fp8_linear(xq, xs, wq, ws), expected, **SCALED_MM_TOL)
+    args = (xq, xs, wq, ws, b.bfloat16(), torch.bfloat16)
+    expected = fp8.fp8_linear_reference(*args)
+    if device.type == "cuda":
+        K.load_device_kernels("cuda")
+        fits = torch.cuda.get_device_capability(device) >= scaled_mm.FP8_MIN_CAPABILITY
+        assert K.implementation("fp8_linear", "cuda", *args) == ("scaled_mm" if fits else "reference")
+        if not fits:
+            pytest.skip("torch._scaled_mm needs compute capability >= 8.9")
+        got = K.fp8_linear(*args)
+    else:
+        assert not scaled_mm.supports_scaled_mm(*args)  # CPU tensors: the dispatcher would not pick it
+        got = scaled_mm.fp8_linear_scaled_mm(*args)
+    assert got.dtype == torch.bfloat16 and got.shape == expected.shape == (2, 16, 64)
+    assert sqnr_db(expected, got) > SCALED_MM_VS_REFERENCE_MIN_SQNR_DB
+
+
+def test_scaled_mm_supports_only_what_its_row_wise_path_takes(monkeypatch):
+    """On a (pretended) capability-9.0 GPU: bfloat16 output, K and N multiples of 16, a bfloat16
+    bias or none; anything else falls back to the reference. The predicate reads only the
+    activation's device, so a stand-in carries it."""
+    monkeypatch.setattr(scaled_mm, "_capability", lambda index: (9, 0))
+    _, _, b, _, xs, wq, ws = fp8_operands(4, 256, 64, "cpu")
+    xq = SimpleNamespace(device=torch.device("cuda", 0))
+    assert scaled_mm.supports_scaled_mm(xq, xs, wq, ws, b.bfloat16(), torch.bfloat16)
+    assert scaled_mm.supports_scaled_mm(xq, xs, wq, ws, None, torch.bfloat16)
+    assert not scaled_mm.supports_scaled_mm(xq, xs, wq, ws, None, torch.float32)
+    assert not scaled_mm.supports_scaled_mm(xq, xs, wq, ws, b.float(), torch.bfloat16)
+    assert not scaled_mm.supports_scaled_mm(xq, xs, wq[:40], ws[:40], None, torch.bfloat16)
+    monkeypatch.setattr(scaled_mm, "_capability", lambda index: (8, 0))
+    assert not scaled_mm.supports_scaled_mm(xq, xs, wq, ws, None, torch.bfloat16)
 
 
 def test_fp8_linear_vs_float_linear(device):
@@ -136,7 +164,7 @@ def test_fp8_linear_rejects_bad_inputs():
         K.fp8_linear(xq, xs[:1], wq, ws)
     with pytest.raises(ValueError, match=r"weight_scale must be \[N, 1\]"):
         K.fp8_linear(xq, xs, wq, ws.flatten())
-    k = reference.FP8_MAX_K + 1
+    k = fp8.FP8_MAX_K + 1
     big = torch.zeros(1, k, dtype=torch.float8_e4m3fn)
     with pytest.raises(ValueError, match="no longer exact"):
         K.fp8_linear(big, xs[:1], big, ws[:1])
@@ -195,7 +223,7 @@ def test_weight_only_linear(device, dtype, bits, group_size, with_bias):
     x = randn(2, 5, 256, device=device, dtype=dtype)
     bias = randn(48, device=device, dtype=dtype) if with_bias else None
     w = dequantize_by_hand(values, scale, group_size)
-    assert torch.equal(reference.dequantize_weight(weight, scale, group_size), w)
+    assert torch.equal(weight_only.dequantize_weight(weight, scale, group_size), w)
     out = K.weight_only_linear(x, weight, scale, bias, group_size)
     assert out.dtype == dtype and out.shape == (2, 5, 48)
     expected = F.linear(x.float(), w, None if bias is None else bias.float()).to(dtype)

@@ -9,9 +9,11 @@ import torch
 import torch.nn.functional as F
 
 import sdkiln.kernels as K
-from sdkiln.kernels import ops, reference
+from sdkiln.kernels import registry
 from sdkiln.kernels.int4 import pack_int4
+from sdkiln.kernels.ops import elementwise, fp8, int8
 from sdkiln.kernels.platform import DISPATCH_KEYS
+from sdkiln.metrics import sqnr_db
 
 # Tolerances, stated once (STYLE habit 12).
 # Float ops against the plain torch formula computed in fp32 from the same inputs, by input dtype;
@@ -37,11 +39,6 @@ def _seed():
 
 def randn(*shape, device, dtype=torch.float32, scale=1.0):
     return (torch.randn(*shape) * scale).to(device=device, dtype=dtype)
-
-
-def sqnr_db(signal: torch.Tensor, approx: torch.Tensor) -> float:
-    signal, approx = signal.double(), approx.double()
-    return (10 * torch.log10(signal.pow(2).mean() / (signal - approx).pow(2).mean())).item()
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
@@ -220,7 +217,7 @@ def test_int8_matmul_fp32_chunks_is_exact(device):
     a[0], b[0] = -128, -128
     expected = a.long() @ b.long().T
     assert expected[0, 0] == 2500 * 128 * 128
-    for matmul in (reference.int8_matmul_fp32_chunks, reference.int8_matmul):
+    for matmul in (int8.int8_matmul_fp32_chunks, int8.int8_matmul):
         out = matmul(a.to(device), b.to(device))
         assert out.dtype == torch.int32
         assert torch.equal(out.cpu().long(), expected)
@@ -237,7 +234,7 @@ def test_w8a8_linear_rejects_bad_inputs():
         K.w8a8_linear(xq, xs[:1], wq, ws)
     with pytest.raises(ValueError, match="weight_scale"):
         K.w8a8_linear(xq, xs, wq, ws[:2])
-    k = reference.W8A8_MAX_K + 1
+    k = int8.W8A8_MAX_K + 1
     with pytest.raises(ValueError, match="int32 accumulator can overflow"):
         K.w8a8_linear(
             torch.zeros(1, k, dtype=torch.int8), xs[:1], torch.zeros(1, k, dtype=torch.int8), ws[:1]
@@ -251,11 +248,24 @@ def masked_logits(q, k, mask, scale):
     return logits.masked_fill(~mask, -math.inf) if mask.dtype == torch.bool else logits + mask.float()
 
 
+def sdpa_bshd(q, k, v, **kwargs):
+    """F.scaled_dot_product_attention on [B, S, H, D] tensors (it takes [B, H, S, D])."""
+    out = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), **kwargs)
+    return out.transpose(1, 2)
+
+
+def logits_bshd(q, k, mask, scale):
+    """The masked logits [B, H, Sq, Sk] of [B, S, H, D] tensors, in fp32."""
+    return masked_logits(q.transpose(1, 2), k.transpose(1, 2), mask, scale)
+
+
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 @pytest.mark.parametrize("mask_kind", [None, "bool", "additive"])
 def test_attention(device, dtype, mask_kind):
-    q = randn(2, 3, 5, 16, device=device, dtype=dtype)
-    k, v = randn(2, 3, 7, 16, device=device, dtype=dtype), randn(2, 3, 7, 8, device=device, dtype=dtype)
+    """[B, S, H, D] in, [B, Sq, H, Dv] and an fp32 log-sum-exp [B, Sq, H] out; masks broadcast to
+    [B, H, Sq, Sk] as SDPA's do."""
+    q = randn(2, 5, 3, 16, device=device, dtype=dtype)
+    k, v = randn(2, 7, 3, 16, device=device, dtype=dtype), randn(2, 7, 3, 8, device=device, dtype=dtype)
     mask = None
     if mask_kind == "bool":
         mask = torch.rand(2, 1, 5, 7, device=device) > 0.4
@@ -263,24 +273,31 @@ def test_attention(device, dtype, mask_kind):
     elif mask_kind == "additive":
         mask = randn(1, 3, 5, 7, device=device, dtype=dtype)
     out, lse = K.attention(q, k, v, mask)
-    assert out.dtype == dtype and out.shape == (2, 3, 5, 8)
-    assert lse.dtype == torch.float32 and lse.shape == (2, 3, 5)
+    assert out.dtype == dtype and out.shape == (2, 5, 3, 8) and out.is_contiguous()
+    assert lse.dtype == torch.float32 and lse.shape == (2, 5, 3)
     float_mask = mask.float() if mask_kind == "additive" else mask
-    expected = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=float_mask)
+    expected = sdpa_bshd(q.float(), k.float(), v.float(), attn_mask=float_mask)
     torch.testing.assert_close(out, expected.to(dtype), **TOL[dtype])
-    logits = masked_logits(q, k, mask, 1 / math.sqrt(16))
-    torch.testing.assert_close(lse, torch.logsumexp(logits, -1), **TOL[torch.float32])
+    logits = logits_bshd(q, k, mask, 1 / math.sqrt(16))
+    torch.testing.assert_close(lse, torch.logsumexp(logits, -1).transpose(1, 2), **TOL[torch.float32])
 
 
 def test_attention_scale_and_fully_masked_rows(device):
-    q, k, v = (randn(1, 2, 4, 8, device=device) for _ in range(3))
+    q, k, v = (randn(1, 4, 2, 8, device=device) for _ in range(3))
     mask = torch.ones(1, 1, 4, 4, dtype=torch.bool, device=device)
     mask[..., 2, :] = False
     out, lse = K.attention(q, k, v, mask, scale=0.3)
-    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.3)
+    expected = sdpa_bshd(q, k, v, attn_mask=mask, scale=0.3)
     torch.testing.assert_close(out, expected, **TOL[torch.float32])
-    assert (out[..., 2, :] == 0).all() and (lse[..., 2] == -math.inf).all()
-    torch.testing.assert_close(lse, torch.logsumexp(masked_logits(q, k, mask, 0.3), -1), **TOL[torch.float32])
+    assert (out[:, 2] == 0).all() and (lse[:, 2] == -math.inf).all()
+    expected_lse = torch.logsumexp(logits_bshd(q, k, mask, 0.3), -1).transpose(1, 2)
+    torch.testing.assert_close(lse, expected_lse, **TOL[torch.float32])
+
+
+def test_attention_refuses_mismatched_heads():
+    q = randn(1, 4, 2, 8, device="cpu")
+    with pytest.raises(ValueError, match=r"attention: q \[B, Sq, H, D\]"):
+        K.attention(q, randn(1, 4, 3, 8, device="cpu"), randn(1, 4, 3, 8, device="cpu"))
 
 
 def op_samples(device) -> dict[str, tuple]:
@@ -290,10 +307,10 @@ def op_samples(device) -> dict[str, tuple]:
         return randn(*shape, device=device, dtype=dtype).requires_grad_()
 
     cos, sin = rope_freqs(4, 8, True, device)
-    xq, xs = reference.quantize_per_token_int8(randn(3, 16, device=device))
-    wq, ws = reference.quantize_per_token_int8(randn(5, 16, device=device))
-    fp8_x = reference.fp8_quantize_per_token(randn(3, 16, device=device))
-    fp8_w = reference.fp8_quantize_per_token(randn(5, 16, device=device))
+    xq, xs = int8.quantize_per_token_int8_reference(randn(3, 16, device=device))
+    wq, ws = int8.quantize_per_token_int8_reference(randn(5, 16, device=device))
+    fp8_x = fp8.fp8_quantize_per_token_reference(randn(3, 16, device=device))
+    fp8_w = fp8.fp8_quantize_per_token_reference(randn(5, 16, device=device))
     int4 = torch.randint(-8, 8, (5, 32), dtype=torch.int8, device=device)
     return {
         "rms_norm": (leaf(2, 3, 8), leaf(8), 1e-6),
@@ -303,7 +320,7 @@ def op_samples(device) -> dict[str, tuple]:
         "mul_add": (leaf(2, 1, 8), leaf(2, 3, 8), leaf(2, 3, 8)),
         "quantize_per_token_int8": (randn(3, 16, device=device),),
         "w8a8_linear": (xq, xs, wq, ws, randn(5, device=device), torch.bfloat16),
-        "attention": (leaf(1, 2, 3, 8), leaf(1, 2, 5, 8), leaf(1, 2, 5, 8), None, None),
+        "attention": (leaf(1, 3, 2, 8), leaf(1, 5, 2, 8), leaf(1, 5, 2, 8), None, None),
         "quantize_per_tensor_int8": (
             randn(3, 16, device=device),
             torch.tensor([0.02], device=device),
@@ -328,7 +345,7 @@ def op_samples(device) -> dict[str, tuple]:
     }
 
 
-@pytest.mark.parametrize("name", ops.op_names())
+@pytest.mark.parametrize("name", K.op_names())
 def test_opcheck(device, name):
     """Schema, fake (for torch.compile), autograd registration and AOT dispatch of each op.
 
@@ -350,11 +367,11 @@ def test_gradients_match_the_formulas(device):
     for a, b in zip(got, expected, strict=True):
         torch.testing.assert_close(a, b, **TOL[torch.float32])
 
-    q, k, v = (randn(1, 2, 4, 8, device=device).requires_grad_() for _ in range(3))
+    q, k, v = (randn(1, 4, 2, 8, device=device).requires_grad_() for _ in range(3))
     out, lse = K.attention(q, k, v)
     got = torch.autograd.grad(out.sum() + lse.sum(), (q, k, v))
-    ref_out = F.scaled_dot_product_attention(q, k, v)
-    ref_lse = torch.logsumexp(q @ k.transpose(-1, -2) / math.sqrt(8), -1)
+    ref_out = sdpa_bshd(q, k, v)
+    ref_lse = torch.logsumexp(logits_bshd(q, k, None, 1 / math.sqrt(8)), -1)
     expected = torch.autograd.grad(ref_out.sum() + ref_lse.sum(), (q, k, v))
     for a, b in zip(got, expected, strict=True):
         torch.testing.assert_close(a, b, **TOL[torch.float32])
@@ -365,51 +382,101 @@ def test_quantized_ops_refuse_backward():
     _, s = K.quantize_per_token_int8(x)
     with pytest.raises(RuntimeError, match="no gradient"):
         s.sum().backward()
-    xq, xs = reference.quantize_per_token_int8(x.detach())
-    wq, ws = reference.quantize_per_token_int8(randn(3, 16, device="cpu"))
+    xq, xs = int8.quantize_per_token_int8_reference(x.detach())
+    wq, ws = int8.quantize_per_token_int8_reference(randn(3, 16, device="cpu"))
     out = K.w8a8_linear(xq, xs, wq, ws, randn(3, device="cpu").requires_grad_())
     with pytest.raises(RuntimeError, match="no gradient"):
         out.sum().backward()
 
 
-@pytest.mark.parametrize("name", ops.op_names())
+@pytest.mark.parametrize("name", K.op_names())
 def test_implementation_agrees_with_the_dispatcher(name):
     qualname = f"sdkiln::{name}"
     assert torch._C._dispatch_has_kernel_for_dispatch_key(qualname, "CompositeExplicitAutograd")
     for device_type, key in DISPATCH_KEYS.items():
         has_kernel = torch._C._dispatch_has_kernel_for_dispatch_key(qualname, key)
-        assert (K.implementation(name, device_type) != "reference") == has_kernel
+        assert bool(K.kernels(name, device_type)) == has_kernel
     assert K.implementation(name, "cpu") == "reference"
 
 
-def test_a_registered_kernel_runs_where_registered_and_is_reported():
+@pytest.fixture
+def mul_add_kernels():
+    """Registers test kernels of mul_add by name; removes whatever is left of them afterwards."""
+    added = []
+
+    def add(device_type, name, fn, **kwargs):
+        K.register_kernel("mul_add", device_type, name=name, **kwargs)(fn)
+        added.append((device_type, name))
+
+    yield add
+    for device_type, name in added:
+        if any(k.name == name for k in K.kernels("mul_add", device_type)):
+            K.remove_kernel("mul_add", device_type, name)
+
+
+def test_a_registered_kernel_runs_where_registered_and_is_reported(mul_add_kernels):
     calls = []
     x, y, z = (randn(3, 4, device="cpu") for _ in range(3))
 
     def counting(x, y, z):
         calls.append(x.device.type)
-        return reference.mul_add(x, y, z)
+        return elementwise.mul_add_reference(x, y, z)
 
     def never(x, y, z):
         raise AssertionError("the cuda kernel ran on CPU tensors")
 
-    K.register_kernel("mul_add", "cpu", name="counting")(counting)
-    K.register_kernel("mul_add", "cuda", name="never")(never)
-    try:
-        assert K.implementation("mul_add", "cpu") == "counting"
-        assert K.implementation("mul_add", "cuda") == "never"
-        assert K.implementation("mul_add", "npu") == "reference"
-        assert torch.equal(K.mul_add(x, y, z), x * y + z)
-        assert calls == ["cpu"]
-        with pytest.raises(ValueError, match="already has the cpu kernel 'counting'"):
-            K.register_kernel("mul_add", "cpu", name="again")(counting)
-    finally:
-        K.remove_kernel("mul_add", "cpu")
-        K.remove_kernel("mul_add", "cuda")
+    mul_add_kernels("cpu", "counting", counting)
+    mul_add_kernels("cuda", "never", never)
+    assert K.implementation("mul_add", "cpu") == "counting"
+    assert K.implementation("mul_add", "cuda") == "never"
+    assert K.implementation("mul_add", "npu") == "reference"
+    assert torch.equal(K.mul_add(x, y, z), x * y + z)
+    assert calls == ["cpu"]
+    with pytest.raises(ValueError, match="already has the cpu kernel 'counting'"):
+        K.register_kernel("mul_add", "cpu", name="counting")(counting)
+    K.remove_kernel("mul_add", "cpu", "counting")
+    K.remove_kernel("mul_add", "cuda", "never")
     assert K.implementation("mul_add", "cpu") == K.implementation("mul_add", "cuda") == "reference"
     assert not torch._C._dispatch_has_kernel_for_dispatch_key("sdkiln::mul_add", "CPU")
     K.mul_add(x, y, z)
     assert calls == ["cpu"]
+
+
+def test_kernels_are_tried_by_priority_and_fall_back_by_what_they_support(mul_add_kernels):
+    """A shape-limited kernel above a general one above the reference: each input runs the first
+    kernel that supports it, and implementation() with the same arguments names that one."""
+    ran = []
+
+    def kernel(name):
+        def fn(x, y, z):
+            ran.append(name)
+            return elementwise.mul_add_reference(x, y, z)
+
+        return fn
+
+    def only_rows_of_8(x, y, z):
+        return x.shape[-1] == 8
+
+    def not_bfloat16(x, y, z):
+        return x.dtype != torch.bfloat16
+
+    mul_add_kernels("cpu", "general", kernel("general"), priority=1, supports=not_bfloat16)
+    mul_add_kernels("cpu", "rows8", kernel("rows8"), priority=5, supports=only_rows_of_8)
+    assert [k.name for k in K.kernels("mul_add", "cpu")] == ["rows8", "general"]
+    cases = {
+        "rows8": randn(2, 8, device="cpu"),
+        "general": randn(2, 6, device="cpu"),
+        "reference": randn(2, 6, device="cpu", dtype=torch.bfloat16),
+    }
+    for expected, x in cases.items():
+        assert K.implementation("mul_add", "cpu", x, x, x) == expected
+        ran.clear()
+        torch.testing.assert_close(K.mul_add(x, x, x), elementwise.mul_add_reference(x, x, x), rtol=0, atol=0)
+        assert ran == ([] if expected == "reference" else [expected])
+    # without arguments, only a kernel that declares no predicate is certain to run
+    assert K.implementation("mul_add", "cpu") == "reference"
+    K.remove_kernel("mul_add", "cpu", "rows8")
+    assert K.implementation("mul_add", "cpu", *(cases["rows8"],) * 3) == "general"
 
 
 def test_unknown_op_or_device_type_is_an_error():
@@ -417,17 +484,40 @@ def test_unknown_op_or_device_type_is_an_error():
         K.implementation("softmax", "cpu")
     with pytest.raises(ValueError, match="unknown device type 'tpu'"):
         K.register_kernel("rms_norm", "tpu", name="x")
-    with pytest.raises(KeyError, match="no cpu kernel to remove"):
-        K.remove_kernel("rms_norm", "cpu")
+    with pytest.raises(KeyError, match="no cpu kernel 'x' to remove"):
+        K.remove_kernel("rms_norm", "cpu", "x")
+    with pytest.raises(ValueError, match="unknown device type 'tpu'"):
+        K.load_device_kernels("tpu")
+
+
+def test_device_kernels_load_only_when_asked():
+    """The CUDA kernel modules import and register on request, also without a GPU, and say which
+    kernel runs on which arguments; ``import sdkiln.kernels`` alone registered nothing for CUDA."""
+    code = (
+        "import sdkiln.kernels as K, sys\n"
+        "assert not any(K.kernels(op, 'cuda') for op in K.op_names())\n"
+        "assert 'sdkiln.kernels.cuda' not in sys.modules\n"
+        "assert K.load_device_kernels('cuda') == ['sdkiln.kernels.cuda'] == K.load_device_kernels('cuda')\n"
+        "print([k.name for k in K.kernels('fp8_linear', 'cuda')])\n"
+    )
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "['scaled_mm']"
+    assert K.load_device_kernels("cpu") == []
 
 
 def test_reimport_keeps_the_registrations():
-    lib = ops._LIB
-    importlib.reload(ops)
-    assert ops._LIB is lib
+    lib = registry._LIB
+    importlib.reload(registry)
+    importlib.reload(elementwise)
+    assert registry._LIB is lib
     x = randn(2, 8, device="cpu")
-    assert torch.equal(ops.gelu_tanh(x), reference.gelu_tanh(x))
-    assert ops.implementation("gelu_tanh", "cpu") == "reference"
+    assert torch.equal(elementwise.gelu_tanh(x), elementwise.gelu_tanh_reference(x))
+    assert K.implementation("gelu_tanh", "cpu") == "reference"
+    assert K.op_names() == registry.op_names()
 
 
 def test_ops_compile_without_graph_breaks():
@@ -435,13 +525,13 @@ def test_ops_compile_without_graph_breaks():
 
     def block(x, scale, shift, gate, cos, sin, wq, ws):
         h = K.layer_norm_modulate(x, scale, shift)
-        heads = K.rope(h.unflatten(-1, (2, 8)).transpose(1, 2), cos, sin)
+        heads = K.rope(h.unflatten(-1, (2, 8)), cos[:, None], sin[:, None])  # [B, S, H, D]
         attn, _ = K.attention(heads, heads, heads)
-        hq, hs = K.quantize_per_token_int8(K.gelu_tanh(attn.transpose(1, 2).flatten(2)))
+        hq, hs = K.quantize_per_token_int8(K.gelu_tanh(attn.flatten(2)))
         return K.mul_add(gate, K.w8a8_linear(hq, hs, wq, ws), K.rms_norm(x))
 
     cos, sin = rope_freqs(4, 8, True, "cpu")
-    wq, ws = reference.quantize_per_token_int8(randn(16, 16, device="cpu"))
+    wq, ws = int8.quantize_per_token_int8_reference(randn(16, 16, device="cpu"))
     args = (randn(2, 4, 16, device="cpu"), randn(2, 16, device="cpu"), randn(2, 16, device="cpu"))
     args += (randn(2, 1, 16, device="cpu"), cos, sin, wq, ws)
     compiled = torch.compile(block, backend="aot_eager", fullgraph=True)

@@ -123,6 +123,7 @@ def test_npu_platform_with_a_fake_torch_npu():
 
         p = current_platform()
         assert (p.device_type, p.dispatch_key, p.dist_backend) == ("npu", "PrivateUse1", "hccl"), p
+        assert "sdkiln.kernels.npu" not in sys.modules, "detecting the device loaded its kernels"
         assert p.is_npu and not p.is_cpu and not p.is_cuda
         assert p.device(1) == torch.device("npu", 1)
         assert resolve_device() == torch.device("npu", 0) == resolve_device("npu:0")

@@ -1,6 +1,7 @@
 """The quantized ``sdkiln`` ops on Ascend, mapped onto torch_npu's fused quantization ops.
 
-Imported only on an NPU (``sdkiln.kernels.npu``): torch_npu is imported at the top. Each function
+Imported only by ``load_device_kernels("npu")`` (through ``sdkiln.kernels.npu``): torch_npu is
+imported at the top, and each function registers itself as the op's "npu" kernel. Each function
 takes its op schema's arguments in order and keeps the reference's contract (shapes, dtypes,
 ``[..., 1]`` scales); what torch_npu needs differently is adapted here:
 
@@ -28,10 +29,17 @@ import torch
 import torch_npu
 from torch import Tensor
 
-from sdkiln.kernels import reference
 from sdkiln.kernels.int4 import unpack_int4
+from sdkiln.kernels.ops.int8 import (
+    check_quantize_per_tensor_int8,
+    check_w8a8_linear,
+    check_w8a8_static_linear,
+)
+from sdkiln.kernels.ops.weight_only import check_weight_only_linear
+from sdkiln.kernels.registry import register_kernel
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
+KERNEL_NAME = "torch_npu"
 
 
 def _check_half(op: str, what: str, dtype: torch.dtype) -> None:
@@ -42,6 +50,7 @@ def _check_half(op: str, what: str, dtype: torch.dtype) -> None:
         )
 
 
+@register_kernel("quantize_per_token_int8", "npu", name=KERNEL_NAME)
 def quantize_per_token_int8(x: Tensor) -> tuple[Tensor, Tensor]:
     """``npu_dynamic_quant``: symmetric per-token int8 (``scale = rowmax(|x|) / 127``)."""
     _check_half("quantize_per_token_int8", "activations", x.dtype)
@@ -49,6 +58,7 @@ def quantize_per_token_int8(x: Tensor) -> tuple[Tensor, Tensor]:
     return y.reshape(x.shape), scale.reshape(*x.shape[:-1], 1)
 
 
+@register_kernel("w8a8_linear", "npu", name=KERNEL_NAME)
 def w8a8_linear(
     x_q: Tensor,
     x_scale: Tensor,
@@ -59,7 +69,7 @@ def w8a8_linear(
 ) -> Tensor:
     """``npu_quant_matmul(x_q, weight.t(), weight_scale, pertoken_scale=x_scale, bias=bias)``:
     the int8 product dequantized per channel and per token, the float32 bias added."""
-    reference.check_w8a8_linear(x_q, x_scale, weight, weight_scale)
+    check_w8a8_linear(x_q, x_scale, weight, weight_scale)
     _check_half("w8a8_linear", "outputs", out_dtype)
     y = torch_npu.npu_quant_matmul(
         x_q.reshape(-1, x_q.shape[-1]),
@@ -72,21 +82,23 @@ def w8a8_linear(
     return y.reshape(*x_q.shape[:-1], weight.shape[0])
 
 
+@register_kernel("quantize_per_tensor_int8", "npu", name=KERNEL_NAME)
 def quantize_per_tensor_int8(x: Tensor, scale: Tensor, offset: Tensor) -> Tensor:
     """``npu_quantize(x, scale, offset, torch.qint8, axis=-1, div_mode=True)``: ``round(x / scale + offset)``
     saturated to int8, the offset (an integer) as int8."""
-    reference.check_quantize_per_tensor_int8(x, scale, offset)
+    check_quantize_per_tensor_int8(x, scale, offset)
     return torch_npu.npu_quantize(
         x, scale.reshape(1), offset.reshape(1).to(torch.int8), torch.qint8, -1, True
     )
 
 
+@register_kernel("w8a8_static_linear", "npu", name=KERNEL_NAME)
 def w8a8_static_linear(
     x_q: Tensor, weight: Tensor, deq_scale: Tensor, quant_bias: Tensor, out_dtype: torch.dtype
 ) -> Tensor:
     """``npu_quant_matmul(x_q, weight.t(), deq_scale, bias=quant_bias)``: ``(x_q @ W.T + quant_bias) *
     deq_scale`` with the int32 bias added before the float32 scale, as the reference does."""
-    reference.check_w8a8_static_linear(x_q, weight, deq_scale, quant_bias)
+    check_w8a8_static_linear(x_q, weight, deq_scale, quant_bias)
     _check_half("w8a8_static_linear", "outputs", out_dtype)
     y = torch_npu.npu_quant_matmul(
         x_q.reshape(-1, x_q.shape[-1]), weight.t(), deq_scale, bias=quant_bias, output_dtype=out_dtype
@@ -94,6 +106,7 @@ def w8a8_static_linear(
     return y.reshape(*x_q.shape[:-1], weight.shape[0])
 
 
+@register_kernel("weight_only_linear", "npu", name=KERNEL_NAME)
 def weight_only_linear(
     x: Tensor, weight: Tensor, weight_scale: Tensor, bias: Tensor | None, group_size: int
 ) -> Tensor:
@@ -102,7 +115,7 @@ def weight_only_linear(
     The scale is cast to x's dtype ([1, N] per channel, [K/G, N] per group); the bias is float16 for
     float16 activations and float32 for bfloat16 ones, as MindIE SD passes it.
     """
-    reference.check_weight_only_linear(x, weight, weight_scale, group_size)
+    check_weight_only_linear(x, weight, weight_scale, group_size)
     _check_half("weight_only_linear", "activations", x.dtype)
     if weight.dtype == torch.uint8:
         packed = torch_npu.npu_convert_weight_to_int4pack(unpack_int4(weight).to(torch.int32))
@@ -120,13 +133,3 @@ def weight_only_linear(
         antiquant_group_size=group_size if groups > 1 else 0,
     )
     return y.reshape(*x.shape[:-1], weight.shape[0])
-
-
-# (sdkiln op, kernel): what ``sdkiln.kernels.npu.register_npu_kernels`` registers for "npu".
-NPU_KERNELS = {
-    "quantize_per_token_int8": quantize_per_token_int8,
-    "w8a8_linear": w8a8_linear,
-    "quantize_per_tensor_int8": quantize_per_tensor_int8,
-    "w8a8_static_linear": w8a8_static_linear,
-    "weight_only_linear": weight_only_linear,
-}

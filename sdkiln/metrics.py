@@ -1,14 +1,39 @@
-"""Image and latent similarity metrics, implemented here so nothing downloads a metric network.
+"""The similarity metrics of the library, its tests and its benches, implemented here so nothing
+downloads a metric network.
 
-Images are float arrays in [0, 1] shaped [N, H, W, C] (video [N, F, H, W, C] is scored frame by
-frame). Every function returns one value per sample; reports aggregate them.
+* ``sqnr_db(reference, approx)``: signal-to-quantization-noise ratio of a tensor against its
+  reference (a quantized layer against the float layer, a kernel against its reference op);
+  ``ratio_db`` is the same from powers already summed (streaming sensitivity passes).
+* Images are float arrays in [0, 1] shaped [N, H, W, C] (video [N, F, H, W, C] is scored frame by
+  frame): ``psnr``, ``ssim``, ``cosine`` return one value per sample; reports aggregate them.
+  ``rel_l2`` compares latents per sample.
+
+Every function takes the reference first.
 """
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+
+def ratio_db(signal: float, noise: float) -> float:
+    """``10 log10(signal / noise)``: +inf when the noise is 0, -inf when only the signal is."""
+    if noise == 0.0:
+        return math.inf
+    if signal == 0.0:
+        return -math.inf
+    return 10.0 * math.log10(signal / noise)
+
+
+def sqnr_db(reference: torch.Tensor, approx: torch.Tensor) -> float:
+    """SQNR of ``approx`` against ``reference`` in dB: ``10 log10(sum ref² / sum (approx - ref)²)``,
+    in float64 over every element."""
+    ref, err = reference.detach().double(), approx.detach().double() - reference.detach().double()
+    return ratio_db(float(ref.square().sum()), float(err.square().sum()))
 
 
 def _frames(x: np.ndarray) -> torch.Tensor:
@@ -21,9 +46,9 @@ def _frames(x: np.ndarray) -> torch.Tensor:
     return t.permute(0, 1, 4, 2, 3)
 
 
-def psnr(a: np.ndarray, b: np.ndarray, data_range: float = 1.0) -> np.ndarray:
+def psnr(reference: np.ndarray, test: np.ndarray, data_range: float = 1.0) -> np.ndarray:
     """Peak signal-to-noise ratio in dB per sample; identical samples give +inf."""
-    ta, tb = _frames(a), _frames(b)
+    ta, tb = _frames(reference), _frames(test)
     mse = ((ta - tb) ** 2).flatten(1).mean(1)
     with np.errstate(divide="ignore"):
         return (10 * torch.log10(data_range**2 / mse)).numpy()
@@ -64,7 +89,7 @@ def cosine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return F.cosine_similarity(ta, tb, dim=1, eps=1e-12).numpy()
 
 
-def rel_l2(test: torch.Tensor, ref: torch.Tensor) -> np.ndarray:
-    """||test - ref|| / ||ref|| per sample."""
-    t, r = test.detach().double().flatten(1).cpu(), ref.detach().double().flatten(1).cpu()
+def rel_l2(reference: torch.Tensor, test: torch.Tensor) -> np.ndarray:
+    """||test - reference|| / ||reference|| per sample."""
+    r, t = reference.detach().double().flatten(1).cpu(), test.detach().double().flatten(1).cpu()
     return ((t - r).norm(dim=1) / r.norm(dim=1).clamp_min(1e-30)).numpy()

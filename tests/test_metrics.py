@@ -1,7 +1,8 @@
 import numpy as np
+import pytest
 import torch
 
-from sdkiln.optimizer import metrics
+from sdkiln import metrics
 
 rng = np.random.default_rng(0)
 
@@ -42,4 +43,13 @@ def test_cosine_and_rel_l2():
     a = rng.random((2, 8, 8, 1))
     np.testing.assert_allclose(metrics.cosine(a, 3 * a), 1.0)
     ref = torch.randn(2, 10)
-    np.testing.assert_allclose(metrics.rel_l2(ref * 1.1, ref), 0.1, rtol=1e-6)
+    np.testing.assert_allclose(metrics.rel_l2(ref, ref * 1.1), 0.1, rtol=1e-6)
+
+
+def test_sqnr_db_takes_the_reference_first():
+    ref = torch.tensor([3.0, -4.0, 0.0], dtype=torch.float64)
+    approx = ref + torch.tensor([0.0, 0.5, 0.0], dtype=torch.float64)
+    assert metrics.sqnr_db(ref, approx) == pytest.approx(10 * np.log10(25 / 0.25))
+    assert metrics.sqnr_db(ref, ref) == np.inf
+    assert metrics.sqnr_db(torch.zeros(3), torch.ones(3)) == -np.inf
+    assert metrics.ratio_db(25.0, 0.25) == pytest.approx(20.0)
