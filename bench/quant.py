@@ -221,7 +221,7 @@ def layer_sqnr(
             y = reference(x).double()
             energy += float(y.pow(2).sum())
             error += float((y - run_layer(x, step).double()).pow(2).sum())
-        out[name] = SQNR_CAP_DB if error == 0 else min(SQNR_CAP_DB, 10 * math.log10(energy / error))
+        out[name] = min(SQNR_CAP_DB, metrics.ratio_db(energy, error))
     return out
 
 

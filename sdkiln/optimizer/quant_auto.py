@@ -27,7 +27,6 @@ recorded under ``not_applicable`` with the reason and is not chosen.
 
 from __future__ import annotations
 
-import math
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -39,6 +38,7 @@ from torch import nn
 from sdkiln.calibrate.loop import ForwardLoop, resolve_loop
 from sdkiln.calibrate.observers import InputObserver, observing
 from sdkiln.configs import QuantAutoConfig, W4A16Config
+from sdkiln.metrics import ratio_db
 from sdkiln.optimizer.calibrated_layers import (
     Target,
     calibrate,
@@ -106,15 +106,10 @@ class LayerSensitivity:
         self.num_steps = num_steps
 
     def sqnr_db(self) -> dict[str, float]:
-        out = {}
-        for name, noise in self.noise.items():
-            if noise == 0.0:
-                out[name] = SQNR_CAP_DB
-            elif self.signal == 0.0:
-                out[name] = -SQNR_CAP_DB
-            else:
-                out[name] = max(-SQNR_CAP_DB, min(SQNR_CAP_DB, 10.0 * math.log10(self.signal / noise)))
-        return out
+        return {
+            name: max(-SQNR_CAP_DB, min(SQNR_CAP_DB, ratio_db(self.signal, noise)))
+            for name, noise in self.noise.items()
+        }
 
 
 def sensitivity_pass(

@@ -4,7 +4,6 @@ mixed packages round-trip bit-identically with their plan in the manifest and in
 
 import gc
 import json
-import math
 import os
 
 import pytest
@@ -18,6 +17,7 @@ from sdkiln.calibrate.observers import observing
 from sdkiln.cli import main
 from sdkiln.configs import QUANT_AUTO_SCHEMES, QuantAutoConfig, RecipeConfig
 from sdkiln.errors import RecipeError
+from sdkiln.metrics import sqnr_db
 from sdkiln.model_zoo import get_spec
 from sdkiln.optimizer.quant_auto import (
     BUILDERS,
@@ -67,11 +67,6 @@ def spiked_pipeline(spec):
 def run_step(spec, config):
     pipe = spiked_pipeline(spec)
     return pipe, apply_step(StepContext(pipeline=pipe, spec=spec, forward_loop=None), config)
-
-
-def sqnr_db(test: torch.Tensor, ref: torch.Tensor) -> float:
-    ref = ref.double()
-    return 10 * math.log10(float(ref.square().sum()) / float((test.double() - ref).square().sum()))
 
 
 @pytest.fixture(scope="module")
@@ -128,8 +123,8 @@ def test_recorded_sqnr_is_the_sqnr_of_the_layer_on_its_held_out_inputs(spec, def
             ref = F.linear(x, linear.weight, linear.bias)
             static = W8A8StaticLinear.from_linear(linear, lo, hi)(x)
             dynamic = W8A8Linear.from_linear(linear)(x)
-        assert abs(measured["w8a8_static"] - sqnr_db(static, ref)) < SQNR_TOL_DB
-        assert abs(measured["w8a8_dynamic"] - sqnr_db(dynamic, ref)) < SQNR_TOL_DB
+        assert abs(measured["w8a8_static"] - sqnr_db(ref, static)) < SQNR_TOL_DB
+        assert abs(measured["w8a8_dynamic"] - sqnr_db(ref, dynamic)) < SQNR_TOL_DB
 
 
 def test_a_user_loop_runs_once_per_pass_and_is_recorded(spec):
