@@ -87,10 +87,10 @@ from cache_methods import FIXED_INTERVALS, METHODS, Method  # noqa: E402, F401  
 
 import sdkiln  # noqa: E402
 from sdkiln.calibrate.loop import PromptLoop  # noqa: E402
-from sdkiln.configs import CacheAutoConfig, RecipeConfig  # noqa: E402
+from sdkiln.configs import CacheAutoConfig, Deployment, RecipeConfig  # noqa: E402
 from sdkiln.model_zoo import get_spec  # noqa: E402
 from sdkiln.model_zoo.fingerprint import weights_hash  # noqa: E402
-from sdkiln.optimizer.cache_layout import block_layout, run_sigmas  # noqa: E402
+from sdkiln.optimizer.cache.layout import block_layout, run_sigmas  # noqa: E402
 from sdkiln.optimizer.evaluate import PSNR_CAP_DB, generate, sample_plan  # noqa: E402
 from sdkiln.optimizer.recipes import resolve_recipe  # noqa: E402
 from sdkiln.runtime.cache import (  # noqa: E402
@@ -202,7 +202,7 @@ class Bench:
     ):
         self.spec, self.base, self.steps, self.recipe = spec, base, steps, recipe
         self.transformer = getattr(base, spec.transformer_attr)
-        self.call = spec.call_kwargs(steps=steps)
+        self.call = spec.call_kwargs(num_inference_steps=steps)
         self.prompts, self.seeds, self.batch_size = prompts, seeds, batch_size
         self.calib_samples = calib_samples
         self.blocks = block_layout(spec, self.transformer)
@@ -276,8 +276,10 @@ class Bench:
             (step,) = [
                 s for s in resolve_recipe(self.recipe).steps if isinstance(s, CacheAutoConfig)
             ]  # run() checked
-            step = dataclasses.replace(step, steps=self.steps, calib_samples=self.calib_samples)
-            recipe = RecipeConfig(name=self.recipe, steps=[step])
+            step = dataclasses.replace(step, calib_samples=self.calib_samples)
+            recipe = RecipeConfig(
+                name=self.recipe, steps=[step], deployment=Deployment(num_inference_steps=self.steps)
+            )
             result = sdkiln.optimize(self.base, recipe, out_dir=None, eval_samples=0)
             schedule = result.files[SCHEDULE_FILE]
             if schedule["num_steps"] != self.steps:
@@ -304,7 +306,7 @@ class Bench:
         if self._mag_ratios is None:
             from diffusers.hooks import MagCacheConfig
 
-            loop = PromptLoop(self.spec, self.calib_samples, steps=self.steps)
+            loop = PromptLoop(self.spec, self.calib_samples, self.call)
             self.transformer.enable_cache(MagCacheConfig(calibrate=True, num_inference_steps=self.steps))
             try:
                 with (

@@ -33,7 +33,7 @@ import quant  # noqa: E402  (bench/quant.py: the machine description)
 
 import sdkiln  # noqa: E402
 from sdkiln import metrics  # noqa: E402
-from sdkiln.configs import CacheAutoConfig, RecipeConfig  # noqa: E402
+from sdkiln.configs import CacheAutoConfig, Deployment, RecipeConfig  # noqa: E402
 from sdkiln.model_zoo import get_spec  # noqa: E402
 from sdkiln.optimizer.evaluate import PSNR_CAP_DB, generate, sample_plan  # noqa: E402
 from sdkiln.runtime.cache import SCHEDULE_FILE, CacheSchedule, attach_cache, detach_cache  # noqa: E402
@@ -67,7 +67,9 @@ def run(
     base = spec.build()
     started = time.perf_counter()
     recipe = RecipeConfig(
-        name="cache-auto+guard", steps=[CacheAutoConfig(steps=steps, guard=True, **(search or {}))]
+        name="cache-auto+guard",
+        steps=[CacheAutoConfig(guard=True, **(search or {}))],
+        deployment=Deployment(num_inference_steps=steps),
     )
     result = sdkiln.optimize(base, recipe, out_dir=None, eval_samples=0)
     search_seconds = time.perf_counter() - started
@@ -85,7 +87,7 @@ def run(
 
     rows = []
     for name, cond_prompts, guidance in conditions:
-        call = spec.call_kwargs(steps=steps, guidance=guidance)
+        call = spec.call_kwargs(num_inference_steps=steps, guidance=guidance)
         reference, _ = _run(pipe, spec, None, call, cond_prompts, seeds, batch, f"{name}: uncached")
         for variant, schedule in (("schedule", plain), ("schedule+guard", guarded)):
             images, runner = _run(

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from sdkiln.optimizer.cache_search import fixed_interval
+from sdkiln.optimizer.cache.search import fixed_interval
 from sdkiln.runtime.cache import attach_cache, detach_cache
 
 if TYPE_CHECKING:

@@ -20,7 +20,7 @@ images are generated once and every method is scored against them. Per method:
 * ``seconds_per_batch``: wall time of ``generate`` per batch of ``--batch-size`` samples on this
   CPU with the stated thread count; informational only.
 
-Peers quantize exactly the layers sdkiln's steps take (``block_linears``: the block Linears minus
+Peers quantize exactly the layers sdkiln's steps take (``select_layers``: the block Linears minus
 the family's float list), through torchao's ``filter_fn`` and quanto's ``include``; the set is
 checked after quantization. A peer that is not installed or fails is recorded with its error.
 
@@ -54,15 +54,15 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 import sdkiln
 from sdkiln import metrics
 from sdkiln.calibrate.observers import observing
-from sdkiln.configs import RecipeConfig, SmoothQuantConfig
+from sdkiln.configs import Deployment, RecipeConfig, SmoothQuantConfig
 from sdkiln.errors import RecipeError
 from sdkiln.model_zoo import get_spec
 from sdkiln.model_zoo.fingerprint import weights_hash
-from sdkiln.optimizer.calibrated_layers import STATS_FILE
 from sdkiln.optimizer.evaluate import PSNR_CAP_DB, generate, sample_plan
-from sdkiln.optimizer.layers import block_linears
+from sdkiln.optimizer.layers import select_layers
+from sdkiln.optimizer.quant.calibration import STATS_FILE
 from sdkiln.optimizer.recipes import resolve_recipe
-from sdkiln.optimizer.registry import StepContext
+from sdkiln.optimizer.registry import TransformContext
 
 SQNR_CAP_DB = 100.0
 """A layer whose quantized output equals the float one has infinite SQNR; the JSON caps it here."""
@@ -236,12 +236,9 @@ def _sqnr_summary(per_layer: dict[str, float]) -> dict[str, Any]:
 
 
 def _recipe(name: str, steps: int) -> RecipeConfig:
-    """The named recipe, its calibrating steps calibrated at the benchmark's step count."""
+    """The named recipe, deployed at the benchmark's step count."""
     recipe = resolve_recipe(name)
-    cfgs = [
-        dataclasses.replace(s, calib_steps=steps) if hasattr(s, "calib_steps") else s for s in recipe.steps
-    ]
-    return RecipeConfig(name=recipe.name, steps=cfgs)
+    return dataclasses.replace(recipe, deployment=Deployment(num_inference_steps=steps))
 
 
 def _missing_recipe(method: str) -> str | None:
@@ -317,11 +314,12 @@ def run(
     started, load_at_start = time.perf_counter(), os.getloadavg()
     spec = get_spec(model)
     base = spec.build()
-    call = spec.call_kwargs(steps=steps)
+    call = spec.call_kwargs(num_inference_steps=steps)
     steps = call["num_inference_steps"]
     prompts, seeds = sample_plan(spec, num_samples, seed)
     float_model = getattr(base, spec.transformer_attr)
-    names, kept = block_linears(StepContext(base, spec, None))
+    targets, kept = select_layers(TransformContext(base, spec, None))
+    names = [t.layer for t in targets]
 
     base_images, timing = _timed_generate(base, call, prompts, seeds, batch_size, "float")
     reference = {"method": "float", "transformer_bytes": transformer_bytes(float_model)}

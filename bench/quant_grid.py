@@ -41,8 +41,8 @@ import quant  # noqa: E402  (bench/quant.py: the same preparation and scoring)
 
 from sdkiln.model_zoo import get_spec  # noqa: E402
 from sdkiln.optimizer.evaluate import sample_plan  # noqa: E402
-from sdkiln.optimizer.layers import block_linears  # noqa: E402
-from sdkiln.optimizer.registry import StepContext  # noqa: E402
+from sdkiln.optimizer.layers import select_layers  # noqa: E402
+from sdkiln.optimizer.registry import TransformContext  # noqa: E402
 from sdkiln.runtime.quant import w8a8_dynamic, weight_only  # noqa: E402
 
 DEFAULT_OUT = Path(__file__).parent / "results" / "quant_grid_fmnist.json"
@@ -152,7 +152,7 @@ def run(
     spec = get_spec("fmnist-flux")
     base = spec.build()
     call = spec.call_kwargs()
-    names, _ = block_linears(StepContext(base, spec, None))
+    names = [t.layer for t in select_layers(TransformContext(base, spec, None))[0]]
     variants = VARIANTS | (ACTIVATION_VARIANTS if activations else {})
     variants = {v: m for v, m in variants.items() if v.startswith(prefix)}
     pipes = {}

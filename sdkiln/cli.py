@@ -13,6 +13,8 @@ from sdkiln.errors import ModelError, SdkilnError
 
 
 def _quality_lines(q: dict[str, Any]) -> list[str]:
+    """The quality report as text; a family's own metrics (``ModelSpec.metrics``, reported as
+    ``name`` and ``base_name``) print under their own names."""
     if not q or "psnr" not in q:
         return ["quality: not measured"]
     lines = [
@@ -20,12 +22,9 @@ def _quality_lines(q: dict[str, Any]) -> list[str]:
         f"  PSNR {q['psnr']:.2f} dB (5th pct {q['psnr_p5']:.2f}, min {q['psnr_min']:.2f})  SSIM {q['ssim']:.4f}  "
         f"cosine {q['cosine']:.5f}  latent rel-L2 {q['latent_rel_l2']:.4f}",
     ]
-    if "class_accuracy" in q:
-        lines.append(
-            f"  class accuracy: original {q['base_class_accuracy']:.1%}  optimized {q['class_accuracy']:.1%}"
-        )
-    if "fd_fmnist" in q:
-        lines.append(f"  FD-FMNIST: original {q['base_fd_fmnist']:.2f}  optimized {q['fd_fmnist']:.2f}")
+    for name in q:
+        if f"base_{name}" in q:
+            lines.append(f"  {name}: original {q[f'base_{name}']:.4g}  optimized {q[name]:.4g}")
     if "block_evaluations_ratio" in q:
         lines.append(
             f"  cache schedule: {q['block_evaluations_ratio']:.3f}x the block evaluations of the uncached run"
@@ -34,6 +33,7 @@ def _quality_lines(q: dict[str, Any]) -> list[str]:
 
 
 def cmd_optimize(args) -> int:
+    from sdkiln.configs import Deployment
     from sdkiln.optimizer import optimize
 
     t0 = time.perf_counter()
@@ -43,8 +43,7 @@ def cmd_optimize(args) -> int:
         args.out,
         force=args.force,
         eval_samples=args.eval_samples,
-        eval_steps=args.steps,
-        eval_guidance=args.guidance,
+        deployment=Deployment(num_inference_steps=args.steps, guidance=args.guidance),
     )
     print(
         f"optimized {result.manifest['model']['base_id']} with recipe {args.recipe!r}: "
@@ -126,8 +125,8 @@ def cmd_run(args) -> int:
 
 
 def cmd_inspect(args) -> int:
+    from sdkiln.export.summary import summarize
     from sdkiln.runtime.package import open_package
-    from sdkiln.runtime.summary import summarize
 
     pkg = open_package(args.package)
     summary = summarize(pkg)
@@ -139,7 +138,8 @@ def cmd_inspect(args) -> int:
         f"package {pkg.root}: {m['format']} v{m['schema_version']}, sdkiln {m['sdkiln_version']}, {m['created']}"
     )
     print(f"model: {m['model']['base_id']} ({m['model']['pipeline_class']}, {m['model']['dtype']})")
-    print(f"recipe: {summary['recipe']}  steps: {', '.join(summary['steps']) or '(none)'}")
+    print(f"recipe: {summary['recipe']}  recipe steps: {', '.join(summary['steps']) or '(none)'}")
+    print(f"sections: {', '.join(summary['sections']) or '(none)'}")
     print(
         f"layers: {summary['layers_quantized']} quantized {summary['schemes']}, {summary['layers_float']} kept in float"
     )
@@ -188,7 +188,12 @@ def cmd_eval(args) -> int:
                 f"{Path(args.package) / 'manifest.json'}: base model {info['base_id']!r} does not match the package "
                 f"({key.replace('_', ' ')} {found[key][:12]} != {info[key][:12]})"
             )
-    report, base_imgs, opt_imgs = compare(base, optimized, spec, args.num_samples, args.steps, args.guidance)
+    call = dict(optimized.sdkiln_manifest["call"]["defaults"])  # the deployment the package was made for
+    if args.steps is not None:
+        call["num_inference_steps"] = args.steps
+    if args.guidance is not None:
+        call[spec.guidance_arg] = args.guidance
+    report, base_imgs, opt_imgs = compare(base, optimized, spec, args.num_samples, call)
     if args.grid:
         save_side_by_side(base_imgs, opt_imgs, args.grid)
     if args.json:
@@ -221,8 +226,16 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--out", required=True, help="package directory to write (atomically)")
     o.add_argument("--force", action="store_true", help="replace an existing package at --out")
     o.add_argument("--eval-samples", type=int, default=20, help="samples in the quality report (0 skips it)")
-    o.add_argument("--steps", type=int, default=None, help="denoising steps for the quality report")
-    o.add_argument("--guidance", type=float, default=None, help="guidance scale for the quality report")
+    o.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="denoising steps the package is made for: calibration, cache search, quality report and "
+        "manifest all use it (default: the recipe's, else the model family's)",
+    )
+    o.add_argument(
+        "--guidance", type=float, default=None, help="guidance scale the package is made for (like --steps)"
+    )
     o.add_argument(
         "--format",
         choices=["package", "ascend"],
@@ -259,8 +272,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("package")
     e.add_argument("--base", default=None, help="base model (zoo name or directory); default: the manifest's")
     e.add_argument("--num-samples", type=int, default=20)
-    e.add_argument("--steps", type=int, default=None)
-    e.add_argument("--guidance", type=float, default=None)
+    e.add_argument("--steps", type=int, default=None, help="default: the package's deployment")
+    e.add_argument("--guidance", type=float, default=None, help="default: the package's deployment")
     e.add_argument("--grid", default=None, help="write a side-by-side PNG (original left, optimized right)")
     e.add_argument("--json", action="store_true")
     e.set_defaults(func=cmd_eval)

@@ -6,9 +6,9 @@ callable that runs the pipeline on representative inputs will do; it returns not
 
 When the user gives none, ``PromptLoop`` is used: the model family's ``calibration_prompts`` (sample
 i uses prompt ``spread_index(i, len(prompts))`` and seed ``CALIBRATION_SEED + i``; a loop with
-``first=n`` runs samples n, n+1, ..., which a step uses for data held out from the first loop) at the deployment call
-arguments (``spec.call_kwargs()``: steps, guidance, resolution), so both classifier-free-guidance
-branches run as they will in production. Decoding is skipped (``output_type="latent"``): nothing
+``first=n`` runs samples n, n+1, ..., which a step uses for data held out from the first loop) at
+the recipe's deployment call (denoising steps, guidance, resolution), so both
+classifier-free-guidance branches run as they will in production. Decoding is skipped (``output_type="latent"``): nothing
 after the denoiser is calibrated. ``record()`` is what a package stores about it.
 """
 
@@ -60,8 +60,8 @@ class PromptLoop:
 
     spec: ModelSpec
     samples: int
-    steps: int | None = None
-    """Denoising steps; None for the family's deployment default."""
+    call: dict[str, Any] | None = None
+    """The deployment call (``spec.call_kwargs(...)``); None for the family's defaults."""
     first: int = 0
     """Index of the first sample: its prompt is ``prompts[spread_index(first, len(prompts))]``, its seed ``CALIBRATION_SEED + first``."""
 
@@ -70,7 +70,7 @@ class PromptLoop:
         return [prompts[spread_index(i, len(prompts))] for i in ids], [CALIBRATION_SEED + i for i in ids]
 
     def call_kwargs(self) -> dict[str, Any]:
-        return {**self.spec.call_kwargs(steps=self.steps), "output_type": "latent"}
+        return {**(self.spec.call_kwargs() if self.call is None else self.call), "output_type": "latent"}
 
     def __call__(self, pipeline: Any) -> None:
         self.run(pipeline)
@@ -115,7 +115,11 @@ class PromptLoop:
 
 
 def resolve_loop(
-    spec: ModelSpec, forward_loop: ForwardLoop | None, samples: int, steps: int | None, first: int = 0
+    spec: ModelSpec,
+    forward_loop: ForwardLoop | None,
+    samples: int,
+    call: dict[str, Any] | None,
+    first: int = 0,
 ) -> tuple[ForwardLoop, dict[str, Any]]:
     """The loop a calibrating step runs and its record: the user's loop as given, else ``PromptLoop``
     from sample ``first`` (a second pass on held-out samples starts after the first pass's).
@@ -125,5 +129,5 @@ def resolve_loop(
     """
     if forward_loop is not None:
         return forward_loop, {"loop": "user"}
-    loop = PromptLoop(spec, samples, steps, first=first)
+    loop = PromptLoop(spec, samples, call, first=first)
     return loop, loop.record()

@@ -50,14 +50,14 @@ class _ReplayStub(ModelHook):
 
 
 class Trajectories:
-    """``prompts`` x ``seeds`` (one sample each) at the spec's deployment call with ``steps`` steps."""
+    """``prompts`` x ``seeds`` (one sample each) at the deployment ``call`` (``spec.call_kwargs(...)``)."""
 
     def __init__(
-        self, pipeline: Any, spec: ModelSpec, prompts: list[str], seeds: list[int], steps: int | None
+        self, pipeline: Any, spec: ModelSpec, prompts: list[str], seeds: list[int], call: dict[str, Any]
     ):
         self.pipeline, self.spec = pipeline, spec
         self.prompts, self.seeds = list(prompts), list(seeds)
-        self.call = {**spec.call_kwargs(steps=steps), "output_type": "latent"}
+        self.call = {**call, "output_type": "latent"}
         self.num_steps = int(self.call["num_inference_steps"])
         self._reference: list[torch.Tensor] | None = None
 

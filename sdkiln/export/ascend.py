@@ -33,14 +33,12 @@ from sdkiln.errors import PackageError
 from sdkiln.export.ascend_schemes import FLOAT_TAG, AscendLayer, ascend_layer_tensors
 from sdkiln.export.atomic import atomic_directory
 from sdkiln.runtime.package import TRANSFORMER_WEIGHTS, open_package
+from sdkiln.runtime.quant import scheme_classes
 
 FILE_MODE = 0o640
 DIR_MODE = 0o750
 DESCRIPTION_FILE = "quant_model_description_{type}.json"
 WEIGHTS_FILE = "quant_model_weight_{type}.safetensors"
-# msModelSlim's AscendV1 saver: fewer bits outrank more, W8A8 outranks W8A8_DYNAMIC. W4A16 and
-# W8A8_TIMESTEP are not in its list; we place them by the same rule.
-TYPE_PRIORITY = ("FLOAT", "W8A16", "W4A16", "W8A8_DYNAMIC", "W8A8_TIMESTEP", "W8A8")
 DEPLOY_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 # A SmoothQuant input multiplier; MindIE SD then reads the layer's tensors under "<layer>.linear.".
 SMOOTH_SUFFIX = "div.mul_scale"
@@ -66,15 +64,26 @@ def _layer_of(key: str, modules: dict[str, Any]) -> tuple[str, str] | None:
     return None
 
 
+def type_priority() -> tuple[str, ...]:
+    """``model_quant_type`` ranks, lowest first: msModelSlim's AscendV1 saver ranks fewer bits above
+    more and W8A8 above W8A8_DYNAMIC; W4A16 and W8A8_TIMESTEP are not in its list and are placed by
+    the same rule. Each scheme's rank is its runtime class's ``ascend_rank``."""
+    ranked = sorted(
+        (c for c in scheme_classes().values() if c.ascend_rank is not None), key=lambda c: c.ascend_rank
+    )
+    return (FLOAT_TAG, *(c.scheme for c in ranked))
+
+
 def _model_quant_type(schemes: set[str]) -> str:
     if not schemes:
         raise PackageError(
             "manifest.json: the package quantizes no layer; MindIE SD runs a float model without Ascend files"
         )
-    unknown = schemes - set(TYPE_PRIORITY)
+    priority = type_priority()
+    unknown = schemes - set(priority)
     if unknown:
         raise PackageError(f"no model_quant_type rank for {sorted(unknown)}")
-    return max(schemes, key=TYPE_PRIORITY.index)
+    return max(schemes, key=priority.index)
 
 
 @dataclass(frozen=True)

@@ -25,16 +25,9 @@ from torch import Tensor
 
 from sdkiln.errors import PackageError
 from sdkiln.kernels.int4 import unpack_int4
+from sdkiln.runtime.quant import scheme_classes
 
 FLOAT_TAG = "FLOAT"
-# Schemes with no MindIE SD / msModelSlim linear format.
-REFUSED = {
-    "FP8_DYNAMIC": (
-        "MindIE SD has no FP8 linear format: its FP8_DYNAMIC quantizes attention (fa_quant) and "
-        "msModelSlim's WFP8AFP8_DYNAMIC is not a QuantAlgorithm MindIE SD reads; export an int8 "
-        "or weight-only recipe for Ascend instead"
-    ),
-}
 
 
 @dataclass
@@ -99,8 +92,11 @@ def converter(scheme: str) -> Callable[[Converter], Converter]:
 
 def ascend_layer_tensors(scheme: str, layer: AscendLayer) -> dict[str, tuple[Tensor, str]]:
     """``{suffix: (tensor, type tag)}`` for one layer of ``scheme``; PackageError if it has no Ascend form."""
-    if scheme in REFUSED:
-        raise PackageError(f"{layer.name}: scheme {scheme} cannot be exported for Ascend: {REFUSED[scheme]}")
+    cls = scheme_classes().get(scheme)
+    if cls is not None and cls.ascend_rank is None:  # no MindIE SD / msModelSlim linear format
+        raise PackageError(
+            f"{layer.name}: scheme {scheme} cannot be exported for Ascend: {cls.ascend_refusal}"
+        )
     if scheme not in CONVERTERS:
         raise PackageError(
             f"{layer.name}: scheme {scheme} has no Ascend converter; this sdkiln exports {sorted(CONVERTERS)}"

@@ -82,12 +82,13 @@ class ModelSpec:
         return tuple(f"{bl.attr}." for bl in self.block_lists)
 
     def call_kwargs(
-        self, steps: int | None = None, guidance: float | None = None, **overrides: Any
+        self, num_inference_steps: int | None = None, guidance: float | None = None, **overrides: Any
     ) -> dict[str, Any]:
-        """Pipeline call arguments with this family's defaults, the guidance under its own name."""
+        """Pipeline call arguments with this family's defaults, the guidance under its own name;
+        None leaves a default."""
         kwargs = dict(self.call_defaults)
-        if steps is not None:
-            kwargs["num_inference_steps"] = steps
+        if num_inference_steps is not None:
+            kwargs["num_inference_steps"] = num_inference_steps
         if guidance is not None:
             kwargs[self.guidance_arg] = guidance
         kwargs.update({k: v for k, v in overrides.items() if v is not None})

@@ -70,13 +70,13 @@ def compare(
     optimized,
     spec: ModelSpec,
     num_samples: int,
-    steps: int | None = None,
-    guidance: float | None = None,
+    call: dict[str, Any] | None = None,
     seed: int = 1000,
     batch_size: int = 16,
 ) -> tuple[dict[str, Any], np.ndarray, np.ndarray]:
-    """Quality of ``optimized`` against ``base``: the report dict and both image arrays."""
-    call = spec.call_kwargs(steps=steps, guidance=guidance)
+    """Quality of ``optimized`` against ``base`` at the pipeline ``call`` (default: the family's
+    defaults): the report dict and both image arrays."""
+    call = spec.call_kwargs() if call is None else call
     prompts, seeds = sample_plan(spec, num_samples, seed)
     base_imgs, base_lat = generate(base, call, prompts, seeds, batch_size, "original")
     runner = cache_runner(getattr(optimized, spec.transformer_attr))

@@ -1,47 +1,71 @@
-"""Which Linear layers a quantization step touches, and swapping them in place.
+"""Which Linear layers a quantization step takes, and swapping them in place: the one layer-selection
+helper every quantization transform uses.
 
-Every weight quantization step quantizes the same set: the ``nn.Linear`` layers inside the spec's
-transformer blocks, minus the family's float list and the step's ``exclude`` patterns.
+A step takes the float Linears inside the spec's transformer blocks, minus the family's float list
+and the step's ``exclude`` patterns. A layer that SmoothQuant wrapped in ``SmoothedLinear`` (an
+input multiplier in front of it) counts as the layer itself while its inner ``linear`` is still
+float: its manifest name stays the original Linear's (the runtime finds a Linear there), patterns
+match that name, and the module that is observed and quantized is ``<layer>.linear``. Layers an
+earlier step quantized are no longer float and are not taken again, smoothed or not.
 """
 
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
 
-from sdkiln.optimizer.registry import StepContext
+from sdkiln.optimizer.registry import TransformContext
+from sdkiln.runtime.quant.smooth import SmoothedLinear
 
 
-def block_linears(ctx: StepContext, exclude: tuple[str, ...] = ()) -> tuple[list[str], list[str]]:
-    """Names of the ``nn.Linear`` layers inside the spec's blocks: (to quantize, kept in float)."""
+@dataclass(frozen=True)
+class Target:
+    layer: str
+    """The manifest name: the original ``nn.Linear``'s name in the transformer."""
+    smoothed: bool
+    """SmoothQuant left an input multiplier in front of it (``<layer>.div``)."""
+
+    @property
+    def linear(self) -> str:
+        """The ``nn.Linear`` whose input is observed and which the quantized module replaces."""
+        return f"{self.layer}.linear" if self.smoothed else self.layer
+
+
+def select_layers(ctx: TransformContext, exclude: tuple[str, ...] = ()) -> tuple[list[Target], list[str]]:
+    """(float layers to quantize, layer names kept in float). A smoothed layer may not stay float:
+    its ``div`` and ``linear`` have no runtime module without a quantization scheme."""
     prefixes = ctx.spec.block_prefixes()
-    chosen, kept = [], []
+    chosen, kept, inner = [], [], set()
     for name, module in ctx.transformer.named_modules():
-        if not isinstance(module, nn.Linear) or not name.startswith(prefixes):
+        if name in inner or not name.startswith(prefixes):
+            continue
+        smoothed = isinstance(module, SmoothedLinear)
+        if smoothed:
+            inner.add(f"{name}.linear")
+            if not isinstance(module.linear, nn.Linear):  # quantized by an earlier step
+                continue
+        elif not isinstance(module, nn.Linear):
             continue
         if ctx.spec.is_float_layer(name) or any(fnmatch.fnmatchcase(name, p) for p in exclude):
+            if smoothed:
+                raise ValueError(
+                    f"{name} was smoothed with an input multiplier but this step keeps it in float; "
+                    "give the smoothquant step the same exclude patterns"
+                )
             kept.append(name)
         else:
-            chosen.append(name)
+            chosen.append(Target(name, smoothed))
     return chosen, kept
 
 
-def replace_linears(
-    model: nn.Module, names: list[str], build: Callable[[nn.Linear], nn.Module]
-) -> dict[str, dict[str, Any]]:
-    """Replace each named ``nn.Linear`` of ``model`` by the runtime module ``build(linear)``.
+def replace(model: nn.Module, target: Target, module: nn.Module) -> None:
+    parent, _, leaf = target.linear.rpartition(".")
+    setattr(model.get_submodule(parent), leaf, module)
 
-    Returns the manifest's ``modules`` entries: ``{name: {"scheme": ..., **module.params()}}``, all
-    the runtime needs to rebuild each module before loading its tensors.
-    """
-    entries = {}
-    for name in names:
-        parent_name, _, leaf = name.rpartition(".")
-        parent = model.get_submodule(parent_name)
-        module = build(getattr(parent, leaf))
-        setattr(parent, leaf, module)
-        entries[name] = {"scheme": module.scheme, **module.params()}
-    return entries
+
+def manifest_entry(target: Target, module: nn.Module) -> dict[str, Any]:
+    """What the runtime needs to rebuild the module before loading its tensors."""
+    return {"scheme": module.scheme, **module.params(), **({"smooth": True} if target.smoothed else {})}

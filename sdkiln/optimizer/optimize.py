@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -11,14 +12,13 @@ from typing import Any
 
 import torch
 
-from sdkiln.configs import RecipeConfig
-from sdkiln.errors import RecipeError
+from sdkiln.configs import Deployment, RecipeConfig
 from sdkiln.export import write_package
 from sdkiln.model_zoo import ModelSpec, load_model, spec_for_pipeline
 from sdkiln.model_zoo.fingerprint import fingerprint
 from sdkiln.optimizer.evaluate import compare
 from sdkiln.optimizer.recipes import resolve_recipe
-from sdkiln.optimizer.registry import StepContext, apply_step
+from sdkiln.optimizer.registry import TransformContext, apply_transform
 
 DEFAULT_EVAL_SAMPLES = 20
 
@@ -48,16 +48,27 @@ def _class_path(cls: type) -> str:
 
 
 def _merge_files(files: dict[str, Any], new: dict[str, Any], kind: str) -> None:
-    """Add a step's package files. Steps may share a file (``calibration/stats.safetensors``) as
-    long as their entries (tensor names, top-level JSON keys) are distinct."""
+    """Add a recipe step's package files. Steps may share a file (``calibration/stats.safetensors``)
+    as long as their entries (tensor names, top-level JSON keys) are distinct."""
     for rel, content in new.items():
         if rel not in files:
             files[rel] = content
             continue
         clash = sorted(set(files[rel]) & set(content))
         if clash:
-            raise ValueError(f"step {kind!r} writes {clash[0]!r} of {rel}, which an earlier step wrote")
+            raise ValueError(
+                f"recipe step {kind!r} writes {clash[0]!r} of {rel}, which an earlier step wrote"
+            )
         files[rel] = {**files[rel], **content}
+
+
+def _merge_sections(sections: dict[str, Any], new: dict[str, Any], kind: str) -> None:
+    for name, entry in new.items():
+        if name in sections:
+            raise ValueError(
+                f"recipe step {kind!r} writes the manifest section {name!r} an earlier step wrote"
+            )
+        sections[name] = entry
 
 
 def optimize(
@@ -68,24 +79,25 @@ def optimize(
     *,
     force: bool = False,
     eval_samples: int = DEFAULT_EVAL_SAMPLES,
-    eval_steps: int | None = None,
-    eval_guidance: float | None = None,
+    deployment: Deployment | None = None,
     base_id: str | None = None,
 ) -> OptimizeResult:
     """Optimize ``model`` (a pipeline, a zoo name, a local diffusers directory, or None for the
     embedded model) with ``recipe`` and, if ``out_dir`` is given, write the package there.
 
+    The recipe's deployment (denoising steps, guidance, resolution; ``deployment`` adds settings to
+    it, and one that contradicts the recipe is refused) is what every recipe step calibrates,
+    searches and measures at, what the quality report measures, and what the manifest records.
     ``forward_loop(pipeline)`` runs calibration data through the model for steps that calibrate;
     steps that need none ignore it. ``eval_samples=0`` skips the quality report. ``base_id`` names
     the base model in the manifest (a zoo name or a directory ``sdkiln eval`` can rebuild it from);
     for a pipeline object it defaults to the directory it was loaded from, else the family's name.
     """
     recipe = resolve_recipe(recipe)
-    # A step calibrated at a step count other than the family default deploys at that count.
-    calibrated = {c.calib_steps for c in recipe.steps if getattr(c, "calib_steps", None)}
-    if len(calibrated) > 1:
-        raise RecipeError(f"recipe steps calibrate at different step counts {sorted(calibrated)}; use one")
-    deploy_steps = next(iter(calibrated), None)
+    if deployment is not None:
+        recipe = dataclasses.replace(
+            recipe, deployment=recipe.deployment.merged(deployment, "the optimize call")
+        )
     if isinstance(model, str | os.PathLike) or model is None:
         base, spec, base_id = load_model(None if model is None else str(model))
     else:
@@ -94,12 +106,13 @@ def optimize(
     attr = spec.transformer_attr
     base_transformer = getattr(base, attr)
     optimized = type(base)(**{**base.components, attr: copy.deepcopy(base_transformer)})
-    ctx = StepContext(pipeline=optimized, spec=spec, forward_loop=forward_loop)
-    steps, modules, files = [], {}, {}
+    ctx = TransformContext(pipeline=optimized, spec=spec, forward_loop=forward_loop, recipe=recipe)
+    steps, modules, files, sections = [], {}, {}, {}
     for config in recipe.steps:
-        result = apply_step(ctx, config)
+        result = apply_transform(ctx, config)
         modules.update(result.modules)
         _merge_files(files, result.files, config.kind)
+        _merge_sections(sections, result.sections, config.kind)
         steps.append({"config": config.to_dict(), "result": result.record})
     manifest = {
         "model": {
@@ -111,15 +124,19 @@ def optimize(
             "transformer_class": type(base_transformer).__name__,
             "dtype": _dtype_name(base_transformer),
         },
-        "call": {"guidance_arg": spec.guidance_arg, "defaults": spec.call_kwargs(steps=deploy_steps)},
-        "recipe": {"name": recipe.name, "version": recipe.version, "steps": steps},
+        "call": {"guidance_arg": spec.guidance_arg, "defaults": ctx.call_kwargs()},
+        "recipe": {
+            "name": recipe.name,
+            "version": recipe.version,
+            "deployment": recipe.deployment.to_dict(),
+            "steps": steps,
+        },
         "modules": modules,
+        **sections,
     }
     quality = None
     if eval_samples > 0:
-        quality, _, _ = compare(
-            base, optimized, spec, eval_samples, eval_steps or deploy_steps, eval_guidance
-        )
+        quality, _, _ = compare(base, optimized, spec, eval_samples, ctx.call_kwargs())
     package = None
     if out_dir is not None:
         package = write_package(

@@ -1,4 +1,9 @@
-"""Recipe names -> ordered step configs. Names combine with '+'; a JSON/YAML file is a recipe too."""
+"""Recipe names -> recipes. Names combine with '+'; a JSON/YAML file is a recipe too.
+
+Every registered recipe step kind has a name, its kind with dashes (``w8a8_dynamic`` ->
+``w8a8-dynamic``), for its default config; a step with GPTQ rounding also has ``<name>-gptq``.
+``PRESETS`` adds the other names: other floors of the cache search, and ``none``.
+"""
 
 from __future__ import annotations
 
@@ -6,36 +11,12 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-from sdkiln.configs import (
-    CacheAutoConfig,
-    FP8DynamicConfig,
-    QuantAutoConfig,
-    RecipeConfig,
-    SmoothQuantConfig,
-    StepConfig,
-    W4A16Config,
-    W8A8DynamicConfig,
-    W8A8StaticConfig,
-    W8A8TimestepConfig,
-    W8A16Config,
-)
+from sdkiln.configs import RECIPE_STEPS, CacheAutoConfig, RecipeConfig, RecipeStep, WeightRounding
 from sdkiln.errors import RecipeError
 
-NAMED_RECIPES: dict[str, Callable[[], list[StepConfig]]] = {
+PRESETS: dict[str, Callable[[], list[RecipeStep]]] = {
     "none": lambda: [],
-    "w8a8-dynamic": lambda: [W8A8DynamicConfig()],
-    "w8a8-dynamic-gptq": lambda: [W8A8DynamicConfig(weight_rounding="gptq")],
-    "fp8-dynamic": lambda: [FP8DynamicConfig()],
-    "w8a16": lambda: [W8A16Config()],
-    "w4a16": lambda: [W4A16Config()],
-    "w8a16-gptq": lambda: [W8A16Config(weight_rounding="gptq")],
-    "w4a16-gptq": lambda: [W4A16Config(weight_rounding="gptq")],
-    "w8a8-static": lambda: [W8A8StaticConfig()],
-    "w8a8-timestep": lambda: [W8A8TimestepConfig()],
-    "smoothquant": lambda: [SmoothQuantConfig()],
-    "quant-auto": lambda: [QuantAutoConfig()],
-    "cache-auto": lambda: [CacheAutoConfig()],
-    # Presets: the same search, a different floor on the confirmed front (mean / 5th-percentile PSNR).
+    # The same search, a different floor on the confirmed front (mean / 5th-percentile PSNR).
     "cache-fast": lambda: [CacheAutoConfig(psnr_floor_db=25.0, psnr_p5_floor_db=20.0)],
     "cache-balanced": lambda: [CacheAutoConfig()],
     "cache-safe": lambda: [CacheAutoConfig(psnr_floor_db=35.0, psnr_p5_floor_db=30.0, guard=True)],
@@ -54,22 +35,34 @@ NAMED_RECIPES: dict[str, Callable[[], list[StepConfig]]] = {
 ALIASES = {"default": "quant-auto+cache-auto"}
 
 
+def named_recipes() -> dict[str, Callable[[], list[RecipeStep]]]:
+    """Every recipe name: one per registered recipe step kind (and its GPTQ form), and the presets."""
+    names: dict[str, Callable[[], list[RecipeStep]]] = {}
+    for kind, cls in RECIPE_STEPS.items():
+        name = kind.replace("_", "-")
+        names[name] = lambda cls=cls: [cls()]
+        if issubclass(cls, WeightRounding):
+            names[f"{name}-gptq"] = lambda cls=cls: [cls(weight_rounding="gptq")]
+    return names | PRESETS
+
+
 def resolve_recipe(recipe: str | RecipeConfig) -> RecipeConfig:
     """A recipe from a name (``w8a8-dynamic``, ``a+b``, ``default``), a JSON/YAML file, or a config."""
     if isinstance(recipe, RecipeConfig):
         return recipe
     if recipe.endswith((".json", ".yaml", ".yml")):
         return _recipe_file(Path(recipe))
-    steps: list[StepConfig] = []
+    known = named_recipes()
+    steps: list[RecipeStep] = []
     parts = [p for part in recipe.split("+") for p in ALIASES.get(part.strip(), part.strip()).split("+")]
     for name in parts:
-        if name not in NAMED_RECIPES:
-            known = ", ".join(sorted([*NAMED_RECIPES, *ALIASES]))
-            raise RecipeError(f"unknown recipe {name!r}; known: {known}, or a .json/.yaml recipe file")
-        steps.extend(NAMED_RECIPES[name]())
+        if name not in known:
+            names = ", ".join(sorted([*known, *ALIASES]))
+            raise RecipeError(f"unknown recipe {name!r}; known: {names}, or a .json/.yaml recipe file")
+        steps.extend(known[name]())
     kinds = [s.kind for s in steps]
     if len(set(kinds)) != len(kinds):
-        raise RecipeError(f"recipe {recipe!r} applies the same step twice: {kinds}")
+        raise RecipeError(f"recipe {recipe!r} applies the same recipe step twice: {kinds}")
     quantizers = [s.kind for s in steps if s.quantizes]
     if len(quantizers) > 1:
         raise RecipeError(
@@ -82,7 +75,10 @@ def resolve_recipe(recipe: str | RecipeConfig) -> RecipeConfig:
 def _recipe_file(path: Path) -> RecipeConfig:
     if not path.is_file():
         raise RecipeError(f"{path}: recipe file not found")
-    text = path.read_text(encoding="utf-8")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise RecipeError(f"{path}: not UTF-8 text ({exc.reason})") from None
     try:
         if path.suffix == ".json":
             data = json.loads(text)

@@ -1,4 +1,4 @@
-"""Step config class -> transform. One registration per technique (STYLE.md habit 1)."""
+"""Recipe step config class -> transform. One registration per technique (STYLE habit 1)."""
 
 from __future__ import annotations
 
@@ -9,50 +9,78 @@ from typing import Any
 
 from torch import nn
 
-from sdkiln.configs import StepConfig
+from sdkiln.configs import Deployment, RecipeConfig, RecipeStep
 from sdkiln.model_zoo import ModelSpec
 
 
 @dataclass
-class StepContext:
-    """What a transform may use: the pipeline being optimized, its spec, and the calibration loop."""
+class TransformContext:
+    """What a transform may use: the pipeline being optimized, its spec, the calibration loop, and
+    the recipe it belongs to (None for a recipe step applied on its own), whose deployment every
+    step calibrates, searches and measures at."""
 
     pipeline: Any
     spec: ModelSpec
     forward_loop: Callable[[Any], None] | None
+    recipe: RecipeConfig | None = None
 
     @property
     def transformer(self) -> nn.Module:
         return getattr(self.pipeline, self.spec.transformer_attr)
 
+    @property
+    def deployment(self) -> Deployment:
+        return self.recipe.deployment if self.recipe is not None else Deployment()
+
+    def call_kwargs(self) -> dict[str, Any]:
+        """The pipeline call the recipe is made for: the family's defaults with the deployment's settings."""
+        d = self.deployment
+        return self.spec.call_kwargs(
+            num_inference_steps=d.num_inference_steps,
+            guidance=d.guidance,
+            height=d.height,
+            width=d.width,
+            num_frames=d.num_frames,
+        )
+
+    @property
+    def num_inference_steps(self) -> int:
+        return int(self.call_kwargs()["num_inference_steps"])
+
 
 @dataclass
-class StepResult:
-    """What a step decided: ``modules`` maps layer name -> {"scheme": ...} for the runtime to swap;
-    ``record`` is everything else worth auditing (kept in the manifest with the step's config);
-    ``files`` are extra package files (relative path -> dict of tensors, written as safetensors, or
-    a JSON-serializable object, written as JSON), e.g. ``calibration/stats.safetensors``."""
+class TransformResult:
+    """What a recipe step decided: ``modules`` maps layer name -> {"scheme": ...} for the runtime to
+    swap; ``record`` is everything else worth auditing (kept in the manifest with the step's config);
+    ``files`` are extra package files (relative path -> dict of tensors, written as safetensors, a
+    JSON-serializable object, written as JSON, or PNG bytes), e.g. ``calibration/stats.safetensors``;
+    ``sections`` are manifest sections the runtime restores (``sdkiln.runtime.restore``), e.g.
+    ``{"cache_schedule": {"file": ...}}``."""
 
     modules: dict[str, dict[str, Any]]
     record: dict[str, Any]
     files: dict[str, Any] = field(default_factory=dict)
+    sections: dict[str, Any] = field(default_factory=dict)
 
 
-Transform = Callable[[StepContext, StepConfig], StepResult]
-_TRANSFORMS: dict[type[StepConfig], Transform] = {}
+Transform = Callable[[TransformContext, RecipeStep], TransformResult]
+_TRANSFORMS: dict[type[RecipeStep], Transform] = {}
 
 
-def register_transform(config_cls: type[StepConfig]) -> Callable[[Transform], Transform]:
+def register_transform(*config_classes: type[RecipeStep]) -> Callable[[Transform], Transform]:
+    """Decorator: ``fn`` applies recipe steps of these config classes."""
+
     def wrap(fn: Transform) -> Transform:
-        if config_cls in _TRANSFORMS:
-            raise ValueError(f"a transform for {config_cls.__name__} is registered twice")
-        _TRANSFORMS[config_cls] = fn
+        for cls in config_classes:
+            if cls in _TRANSFORMS:
+                raise ValueError(f"a transform for {cls.__name__} is registered twice")
+            _TRANSFORMS[cls] = fn
         return fn
 
     return wrap
 
 
-def apply_step(ctx: StepContext, config: StepConfig) -> StepResult:
+def apply_transform(ctx: TransformContext, config: RecipeStep) -> TransformResult:
     if type(config) not in _TRANSFORMS:
         importlib.import_module(config.transform_module)
     try:

@@ -1,11 +1,18 @@
-"""``sdkiln.load``: a verified package -> a ready diffusers pipeline.
+"""``sdkiln.load``: a verified package -> a ready diffusers pipeline, in one documented order.
 
-The transformer is built on the meta device from its config, the manifest's quantized layers are
-swapped in, and the safetensors are loaded with ``assign=True`` (gpt-fast's convert-for-runtime
-pattern): no float copy of the weights is ever materialized. Other components load with their own
-``from_pretrained`` from the package's safetensors/JSON files. A package with a cache schedule
-(``schedules/cache_schedule.json``) gets it attached after its fingerprint matched the loaded
-transformer's.
+1. **verify**: every file against the manifest (``runtime.package``), and every manifest section
+   known to this sdkiln (``runtime.restore``);
+2. **build on meta**: the transformer from its config, on the meta device (no float copy of the
+   weights is ever materialized: gpt-fast's convert-for-runtime pattern);
+3. **swap modules**: each section's ``build`` handler (the quantized layers the manifest names);
+4. **load weights**: the safetensors, with ``assign=True``;
+5. **assemble**: the other components with their own ``from_pretrained``, into the pipeline class
+   the manifest names (from diffusers or sdkiln's model zoo, nowhere else);
+6. **restore sections**: each section's ``attach`` handler (step tracker, cache schedule, ...);
+7. **parallel**: the device mesh of ``parallel`` (``ParallelConfig``);
+8. **compile**: ``torch.compile`` of the transformer (``CompileConfig``); the runtime's hooks decide
+   outside the compiled region (``runtime.cache.hooks``), so the compiled graph sees tensors only;
+9. **device**: the device's kernels (``kernels.load_device_kernels``), then the pipeline moves there.
 """
 
 from __future__ import annotations
@@ -18,13 +25,11 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from sdkiln.errors import PackageError
-from sdkiln.kernels.platform import resolve_device
-from sdkiln.model_zoo.fingerprint import fingerprint
-from sdkiln.runtime.cache import SCHEDULE_FILE, CacheSchedule, attach_cache
+from sdkiln import kernels
+from sdkiln.configs.runtime import CompileConfig, ParallelConfig
+from sdkiln.errors import PackageError, SdkilnError
+from sdkiln.runtime import restore
 from sdkiln.runtime.package import TRANSFORMER_WEIGHTS, Package, open_package
-from sdkiln.runtime.quant import SCHEME_MODULES, quant_module
-from sdkiln.runtime.quant.smooth import SmoothedLinear
 
 # Pipelines come from diffusers or from sdkiln's own model zoo, nowhere else.
 _PIPELINE_MODULES = ("diffusers", "sdkiln.model_zoo.")
@@ -46,52 +51,19 @@ def resolve_class(path: str, base: type, what: str) -> type:
     return cls
 
 
-def _swap_modules(model: nn.Module, modules: dict[str, Any]) -> None:
-    for name, info in modules.items():
-        params = dict(info) if isinstance(info, dict) else {}
-        scheme = params.pop("scheme", None)
-        if scheme not in SCHEME_MODULES:
-            raise PackageError(
-                f"manifest.json: layer {name!r} has unknown scheme {scheme!r}; this sdkiln runs {sorted(SCHEME_MODULES)}"
-            )
-        parent_name, _, leaf = name.rpartition(".")
-        try:
-            parent = model.get_submodule(parent_name)
-            linear = getattr(parent, leaf)
-        except AttributeError:
-            raise PackageError(f"manifest.json: layer {name!r} does not exist in the transformer") from None
-        if not isinstance(linear, nn.Linear):
-            raise PackageError(f"manifest.json: layer {name!r} is a {type(linear).__name__}, not a Linear")
-        smooth = params.pop("smooth", False)
-        if not isinstance(smooth, bool):
-            raise PackageError(f"manifest.json: layer {name!r} has a non-boolean 'smooth' ({smooth!r})")
-        try:
-            module = quant_module(scheme)(
-                linear.in_features,
-                linear.out_features,
-                linear.bias is not None,
-                linear.weight.dtype,
-                "meta",
-                **params,
-            )
-        except (TypeError, ValueError) as exc:
-            raise PackageError(
-                f"manifest.json: layer {name!r} cannot be built as {scheme} with {params}: {exc}"
-            ) from None
-        setattr(parent, leaf, SmoothedLinear(module, linear.in_features, "meta") if smooth else module)
-
-
-def load_transformer(pkg: Package) -> nn.Module:
+def build_transformer(pkg: Package) -> nn.Module:
+    """The package's transformer class from its config, on the meta device."""
     from diffusers import ModelMixin
 
-    info = pkg.manifest["model"]
-    attr = info["transformer_attr"]
-    config = pkg.read_json(f"{attr}/config.json")
+    config = pkg.read_json(f"{pkg.manifest['model']['transformer_attr']}/config.json")
     cls = resolve_class(f"diffusers:{config.get('_class_name')}", ModelMixin, "transformer class")
     with torch.device("meta"):
-        model = cls.from_config(config)
-    _swap_modules(model, pkg.manifest["modules"])
-    weights_path = pkg.path(f"{attr}/{TRANSFORMER_WEIGHTS}")
+        return cls.from_config(config)
+
+
+def load_weights(pkg: Package, model: nn.Module) -> nn.Module:
+    info = pkg.manifest["model"]
+    weights_path = pkg.path(f"{info['transformer_attr']}/{TRANSFORMER_WEIGHTS}")
     tensors = load_file(weights_path)
     extra = {n: tensors.pop(n) for n in info.get("nonpersistent_buffers", [])}
     try:
@@ -108,30 +80,64 @@ def load_transformer(pkg: Package) -> nn.Module:
     return model.eval()
 
 
-def load(path: str | os.PathLike, device: str | torch.device = "auto"):
-    """Load a package into a diffusers ``DiffusionPipeline`` on ``device`` ("auto", "cpu", "cuda:0", ...).
+def load_transformer(pkg: Package) -> nn.Module:
+    """Steps 2-4 alone: the package's transformer with its quantized modules and weights, on CPU."""
+    sections = restore.sections_of(pkg.manifest)
+    ctx = restore.RestoreContext(pkg, build_transformer(pkg))
+    restore.run_stage("build", sections, ctx)
+    return load_weights(pkg, ctx.transformer)
 
-    Every file is verified against the manifest first (sizes, sha256, no links, no stray files).
-    The manifest is kept on the pipeline as ``pipe.sdkiln_manifest``.
-    """
+
+def _assemble(pkg: Package, transformer: nn.Module):
     from diffusers import DiffusionPipeline
 
-    from sdkiln.runtime.steps import attach_step_tracker, needs_step_tracker
-
-    pkg = open_package(path)
     info = pkg.manifest["model"]
     pipeline_cls = resolve_class(info["pipeline_class"], DiffusionPipeline, "pipeline class")
-    transformer = load_transformer(pkg)
     dtype = getattr(torch, info.get("dtype", "float32"))
     pipe = pipeline_cls.from_pretrained(
         str(pkg.root), **{info["transformer_attr"]: transformer}, dtype=dtype, use_safetensors=True
     )
     pipe.set_progress_bar_config(disable=True)
     pipe.sdkiln_manifest = pkg.manifest
-    if needs_step_tracker(transformer):
-        attach_step_tracker(pipe, info["transformer_attr"])
-    if SCHEDULE_FILE in pkg.manifest["files"]:
-        schedule = CacheSchedule.from_dict(pkg.read_json(SCHEDULE_FILE))
-        schedule.check_fingerprint(fingerprint(transformer))
-        attach_cache(pipe, schedule, info["transformer_attr"])
-    return pipe.to(resolve_device(device))
+    return pipe
+
+
+def _parallel(ctx: restore.RestoreContext, parallel: ParallelConfig | None) -> None:
+    if parallel is not None and parallel.world_size > 1:
+        raise SdkilnError(
+            f"parallel={parallel}: this sdkiln runs a package on one device; the parallel runtime "
+            "(CFG, Ulysses and ring attention over torch.distributed) is not part of it yet"
+        )
+
+
+def _compile(ctx: restore.RestoreContext, compile: CompileConfig | None) -> None:
+    if compile is not None:
+        setattr(ctx.pipeline, ctx.transformer_attr, torch.compile(ctx.transformer, **compile.kwargs()))
+
+
+def load(
+    path: str | os.PathLike,
+    device: str | torch.device = "auto",
+    *,
+    parallel: ParallelConfig | None = None,
+    compile: CompileConfig | None = None,
+) -> Any:
+    """Load a package into a diffusers ``DiffusionPipeline`` on ``device`` ("auto", "cpu", "cuda:0", ...).
+
+    Every file is verified against the manifest first (sizes, sha256, no links, no stray files),
+    and every manifest section must be one this sdkiln restores. ``parallel`` runs it on a device
+    mesh, ``compile`` compiles its transformer (``sdkiln.configs.runtime``). The manifest is kept on
+    the pipeline as ``pipe.sdkiln_manifest``; the order of the work is the module docstring's.
+    """
+    pkg = open_package(path)
+    sections = restore.sections_of(pkg.manifest)
+    target = kernels.resolve_device(device)
+    ctx = restore.RestoreContext(pkg, build_transformer(pkg))
+    restore.run_stage("build", sections, ctx)
+    load_weights(pkg, ctx.transformer)
+    ctx.pipeline = _assemble(pkg, ctx.transformer)
+    restore.run_stage("attach", sections, ctx)
+    _parallel(ctx, parallel)
+    _compile(ctx, compile)
+    kernels.load_device_kernels(target.type)
+    return ctx.pipeline.to(target)

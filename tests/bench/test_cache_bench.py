@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from sdkiln.optimizer.cache_search import fixed_interval
+from sdkiln.optimizer.cache.search import fixed_interval
 
 _PATH = Path(__file__).resolve().parents[2] / "bench" / "cache.py"
 _spec = importlib.util.spec_from_file_location("bench_cache", _PATH)

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 import sdkiln
-from sdkiln.configs import RecipeConfig, SmoothQuantConfig, W8A8StaticConfig
+from sdkiln.configs import Deployment, RecipeConfig, SmoothQuantConfig, W8A8StaticConfig
 from sdkiln.model_zoo import get_spec
-from sdkiln.optimizer.layers import block_linears
-from sdkiln.optimizer.registry import StepContext
+from sdkiln.optimizer.layers import select_layers
+from sdkiln.optimizer.registry import TransformContext
 
 INT8_SQNR_FLOOR_DB = 20.0
 _PATH = Path(__file__).resolve().parents[2] / "bench" / "quant.py"
@@ -48,7 +48,7 @@ def test_rows_measure_every_column(report):
         assert row["seconds_per_batch"] > 0
     timestep = report["methods"][1]
     assert timestep["applied"]["schemes"] == ["W8A8_TIMESTEP"]
-    assert timestep["applied"]["recipe"]["steps"][0]["calib_steps"] == 2
+    assert timestep["applied"]["recipe"]["deployment"]["num_inference_steps"] == 2
 
 
 def test_acceptance_line_is_computed_from_the_rows(report):
@@ -91,15 +91,16 @@ def test_folded_smoothquant_layers_read_their_smoothed_input():
     recipe = RecipeConfig(
         "sq",
         [
-            SmoothQuantConfig(alphas=(0.5,), calib_samples=1, calib_steps=2),
-            W8A8StaticConfig(calib_samples=1, calib_steps=2),
+            SmoothQuantConfig(alphas=(0.5,), calib_samples=1),
+            W8A8StaticConfig(calib_samples=1),
         ],
+        Deployment(num_inference_steps=2),
     )
     result = sdkiln.optimize(base, recipe, eval_samples=0)
     folded = result.manifest["recipe"]["steps"][0]["result"]["folded"]
     assert folded, "precondition: the smoothquant search folded no layer on flux-tiny"
-    call = spec.call_kwargs(steps=2)
-    names, _ = block_linears(StepContext(base, spec, None))
+    call = spec.call_kwargs(num_inference_steps=2)
+    names = [t.layer for t in select_layers(TransformContext(base, spec, None))[0]]
     captured = bench.capture_layer_inputs(base, spec, names, call, ["a photo of a cat"], [0], stride=1)
     sqnr = bench.layer_sqnr(base.transformer, bench.our_layers(result, spec, 2), captured)
     assert min(sqnr[n] for n in folded) > INT8_SQNR_FLOOR_DB

@@ -138,7 +138,7 @@ def test_hooks_and_tracker_come_off_even_when_the_loop_fails(pipe, spec):
 
 
 def test_default_loop_records_prompts_seeds_steps_and_resolution(spec):
-    loop, record = resolve_loop(spec, None, samples=4, steps=None)
+    loop, record = resolve_loop(spec, None, samples=4, call=None)
     # three prompts: the stride is 2, so samples 0..3 use prompts 0, 2, 1, 0
     prompts = [spec.calibration_prompts[i] for i in (0, 2, 1, 0)]
     assert record == {
@@ -155,7 +155,7 @@ def test_default_loop_records_prompts_seeds_steps_and_resolution(spec):
     assert PromptLoop(spec, 2, first=4).plan() == ([cal[2], cal[1]], [4, 5])
     assert prompts_sha256(prompts) != prompts_sha256(prompts[::-1])
     user = object()
-    assert resolve_loop(spec, user, samples=4, steps=None) == (user, {"loop": "user"})
+    assert resolve_loop(spec, user, samples=4, call=None) == (user, {"loop": "user"})
 
 
 def test_spread_index_visits_every_prompt_and_spreads_grouped_lists():

@@ -121,4 +121,4 @@ def test_spec_metrics_and_prompts():
     assert spec.metrics is fmnist_metrics
     assert [caption_class(p) for p in spec.eval_prompts] == list(range(10))
     assert not set(spec.calibration_prompts) & set(spec.eval_prompts)
-    assert spec.call_kwargs(steps=4)["num_inference_steps"] == 4
+    assert spec.call_kwargs(num_inference_steps=4)["num_inference_steps"] == 4

@@ -129,7 +129,7 @@ def test_blocks_return_declared_outputs_in_order(spec, pipe):
         for i in (0, 1)
     ]
     try:
-        _generate(pipe, spec, steps=1)
+        _generate(pipe, spec, num_inference_steps=1)
     finally:
         for handle in handles:
             handle.remove()

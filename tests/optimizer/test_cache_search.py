@@ -10,22 +10,28 @@ import sdkiln
 from sdkiln.calibrate.cache_profile import HEATMAP_FILE, PROFILE_FILE
 from sdkiln.calibrate.trajectories import Trajectories
 from sdkiln.cli import main
-from sdkiln.configs import CacheAutoConfig, RecipeConfig
+from sdkiln.configs import CacheAutoConfig, Deployment, RecipeConfig
 from sdkiln.errors import PackageError
-from sdkiln.optimizer.cache_plan import ErrorModel, Segment, fill_gaps
-from sdkiln.optimizer.cache_search import fixed_interval, pareto
+from sdkiln.export.summary import summarize
+from sdkiln.optimizer.cache.plan import ErrorModel, Segment, fill_gaps
+from sdkiln.optimizer.cache.search import fixed_interval, pareto
 from sdkiln.optimizer.evaluate import compare
-from sdkiln.runtime import loader
 from sdkiln.runtime.cache import FULL, SCHEDULE_FILE, Action, cache_runner
+from sdkiln.runtime.cache import restore as cache_restore
 from sdkiln.runtime.package import open_package
-from sdkiln.runtime.summary import summarize
 
 STEPS = 6
 
 
 def test_partial_runs_replay_the_reference_exactly(flux_tiny):
     spec, pipe = flux_tiny
-    traj = Trajectories(pipe, spec, ["a photo of a dog", "a photo of a cat"], [0, 1], STEPS)
+    traj = Trajectories(
+        pipe,
+        spec,
+        ["a photo of a dog", "a photo of a cat"],
+        [0, 1],
+        spec.call_kwargs(num_inference_steps=STEPS),
+    )
     reference = traj.reference()
     assert len(reference) == STEPS + 1 and reference[0] is None
     full = traj.run()
@@ -113,7 +119,6 @@ def test_cache_auto_writes_a_schedule_the_loaded_package_follows(flux_tiny, tmp_
         name="cache-auto",
         steps=[
             CacheAutoConfig(
-                steps=STEPS,
                 calib_samples=2,
                 eval_samples=2,
                 budgets=4,
@@ -122,6 +127,7 @@ def test_cache_auto_writes_a_schedule_the_loaded_package_follows(flux_tiny, tmp_
                 psnr_p5_floor_db=0.0,
             )
         ],
+        deployment=Deployment(num_inference_steps=STEPS),
     )
     result = sdkiln.optimize(pipe, recipe, out_dir=tmp_path / "pkg", eval_samples=0)
     data = json.loads((tmp_path / "pkg" / SCHEDULE_FILE).read_text())
@@ -148,7 +154,7 @@ def test_cache_auto_writes_a_schedule_the_loaded_package_follows(flux_tiny, tmp_
 
     loaded = sdkiln.load(tmp_path / "pkg", device="cpu")
     assert cache_runner(loaded.transformer) is not None
-    call = {**spec.call_kwargs(steps=STEPS), "output_type": "latent"}
+    call = {**spec.call_kwargs(num_inference_steps=STEPS), "output_type": "latent"}
     with torch.inference_mode():
         a = loaded(prompt="a photo of a dog", generator=torch.Generator().manual_seed(5), **call).images
         b = result.pipeline(
@@ -159,10 +165,10 @@ def test_cache_auto_writes_a_schedule_the_loaded_package_follows(flux_tiny, tmp_
     summary = summarize(open_package(tmp_path / "pkg"))
     assert summary["cache"]["actions"] == record["actions"] and summary["cache"]["guard"] is None
 
-    report, _, _ = compare(pipe, result.pipeline, spec, 2, steps=STEPS)
+    report, _, _ = compare(pipe, result.pipeline, spec, 2, spec.call_kwargs(num_inference_steps=STEPS))
     assert report["block_evaluations_ratio"] == pytest.approx(record["block_evaluations_ratio"])
 
-    monkeypatch.setattr(loader, "fingerprint", lambda t: {"config_hash": "x", "weights_hash": "y"})
+    monkeypatch.setattr(cache_restore, "fingerprint", lambda t: {"config_hash": "x", "weights_hash": "y"})
     with pytest.raises(PackageError, match="another model"):
         sdkiln.load(tmp_path / "pkg", device="cpu")
 
@@ -190,12 +196,11 @@ def test_pareto_keeps_the_points_nothing_beats():
 def test_cache_auto_guard_ships_thresholds_for_the_reuse_steps(flux_tiny, tmp_path, capsys):
     spec, pipe = flux_tiny
     config = CacheAutoConfig(
-        steps=STEPS, calib_samples=2, eval_samples=2, budgets=2, refine=0, guard=True,
+        calib_samples=2, eval_samples=2, budgets=2, refine=0, guard=True,
         psnr_floor_db=0.0, psnr_p5_floor_db=0.0,
     )  # fmt: skip
-    sdkiln.optimize(
-        pipe, RecipeConfig(name="guarded", steps=[config]), out_dir=tmp_path / "pkg", eval_samples=0
-    )
+    recipe = RecipeConfig(name="guarded", steps=[config], deployment=Deployment(num_inference_steps=STEPS))
+    sdkiln.optimize(pipe, recipe, out_dir=tmp_path / "pkg", eval_samples=0)
     data = json.loads((tmp_path / "pkg" / SCHEDULE_FILE).read_text())
     guards, actions = data["guards"], data["actions"]["batched"]
     assert guards["indicator"] == "input_change" and (guards["quantile"], guards["margin"]) == (1.0, 1.5)

@@ -10,11 +10,11 @@ from safetensors.torch import load_file
 
 import sdkiln
 from sdkiln.calibrate.loop import prompts_sha256
-from sdkiln.configs import RecipeConfig, SmoothQuantConfig, W8A8StaticConfig, W8A8TimestepConfig
-from sdkiln.errors import StepError
+from sdkiln.configs import Deployment, RecipeConfig, SmoothQuantConfig, W8A8StaticConfig, W8A8TimestepConfig
+from sdkiln.errors import RecipeError, StepError
 from sdkiln.model_zoo import get_spec
 from sdkiln.optimizer.evaluate import generate
-from sdkiln.optimizer.w8a8_timestep import window_range
+from sdkiln.optimizer.quant.w8a8_timestep import window_range
 from sdkiln.runtime.package import open_package
 from sdkiln.runtime.quant.smooth import SmoothedLinear
 from sdkiln.runtime.quant.w8a8_static import W8A8StaticLinear, activation_params
@@ -154,17 +154,23 @@ def test_a_user_forward_loop_is_run_and_recorded():
             pipe(prompt="a lighthouse in a storm", generator=torch.Generator().manual_seed(9), **call)
 
     recipe = RecipeConfig("ts", [W8A8TimestepConfig(calib_samples=SAMPLES, dynamic_steps=(1,))])
+    with pytest.raises(RecipeError, match="loop ran 3 denoising steps but the recipe deploys at 4"):
+        sdkiln.optimize("flux-tiny", recipe, forward_loop=forward_loop, eval_samples=0)
+    recipe.deployment = Deployment(num_inference_steps=3)
     result = sdkiln.optimize("flux-tiny", recipe, forward_loop=forward_loop, eval_samples=0)
     step = result.manifest["recipe"]["steps"][0]["result"]
-    assert runs == [result.pipeline]
+    assert runs[-1] is result.pipeline
     assert step["calibration"] == {"loop": "user", "steps": 3} and step["num_steps"] == 3
     assert set(e["num_steps"] for e in result.manifest["modules"].values()) == {3}
+    assert result.manifest["call"]["defaults"]["num_inference_steps"] == 3
     assert result.files["calibration/config.json"] == {"w8a8_timestep": {"loop": "user", "steps": 3}}
 
 
 def test_a_recipe_calibrated_at_other_steps_deploys_and_is_evaluated_at_those_steps(tmp_path):
     recipe = RecipeConfig(
-        name="ts3", steps=[W8A8TimestepConfig(calib_samples=1, calib_steps=3, dynamic_steps=(1,))]
+        name="ts3",
+        steps=[W8A8TimestepConfig(calib_samples=1, dynamic_steps=(1,))],
+        deployment=Deployment(num_inference_steps=3),
     )
     result = sdkiln.optimize("flux-tiny", recipe, tmp_path / "p", eval_samples=1)
     assert result.manifest["call"]["defaults"]["num_inference_steps"] == 3

@@ -7,14 +7,14 @@ from torch import nn
 from sdkiln.configs import FP8DynamicConfig, W4A16Config, W8A16Config
 from sdkiln.model_zoo import get_spec
 from sdkiln.optimizer.recipes import resolve_recipe
-from sdkiln.optimizer.registry import StepContext, apply_step
+from sdkiln.optimizer.registry import TransformContext, apply_transform
 from sdkiln.runtime.quant.fp8_dynamic import FP8Linear
 from sdkiln.runtime.quant.weight_only import W4A16Linear, W8A16Linear
 
 
-def context(name: str) -> StepContext:
+def context(name: str) -> TransformContext:
     spec = get_spec(name)
-    return StepContext(pipeline=spec.build(), spec=spec, forward_loop=None)
+    return TransformContext(pipeline=spec.build(), spec=spec, forward_loop=None)
 
 
 def test_named_recipes():
@@ -39,7 +39,7 @@ def test_swaps_every_block_linear_but_the_float_list(config, cls, entry):
         for n, m in ctx.transformer.named_modules()
         if isinstance(m, nn.Linear) and n.startswith(ctx.spec.block_prefixes())
     ]
-    result = apply_step(ctx, config)
+    result = apply_transform(ctx, config)
     record = result.record
     assert record["quantized"] and record["float"]
     assert sorted(record["quantized"] + record["float"]) == sorted(block_linears)
@@ -52,7 +52,7 @@ def test_swaps_every_block_linear_but_the_float_list(config, cls, entry):
 
 def test_exclude_patterns_keep_layers_in_float():
     ctx = context("flux-tiny")
-    result = apply_step(ctx, W8A16Config(exclude=("single_transformer_blocks.*",)))
+    result = apply_transform(ctx, W8A16Config(exclude=("single_transformer_blocks.*",)))
     assert result.record["quantized"] and not any(n.startswith("single_") for n in result.record["quantized"])
     assert any(n.startswith("single_transformer_blocks.") for n in result.record["float"])
 
@@ -61,13 +61,15 @@ def test_w4a16_keeps_and_records_layers_whose_in_features_the_group_does_not_div
     """sd3-tiny's block Linears take 64 or 256 inputs: with groups of 128 the 64-input ones stay float."""
     ctx = context("sd3-tiny")
     model = ctx.transformer
-    with pytest.warns(UserWarning, match=r"w4a16: \d+ layers stay in float .* group_size 128"):
-        result = apply_step(ctx, W4A16Config(group_size=128))
+    with pytest.warns(
+        UserWarning, match=r"w4a16: \d+ layers stay in float, .* not a multiple of group_size 128"
+    ):
+        result = apply_transform(ctx, W4A16Config(group_size=128))
     record = result.record
-    assert record["group_size"] == 128 and record["not_divisible"]
-    assert set(record["not_divisible"].values()) == {64}
-    assert set(record["not_divisible"]) <= set(record["float"])
-    assert all(type(model.get_submodule(n)) is nn.Linear for n in record["not_divisible"])
+    assert record["group_size"] == 128 and record["not_applicable"]
+    assert set(record["not_applicable"].values()) == {"in_features 64 is not a multiple of group_size 128"}
+    assert set(record["not_applicable"]) <= set(record["float"])
+    assert all(type(model.get_submodule(n)) is nn.Linear for n in record["not_applicable"])
     assert record["quantized"] and all(model.get_submodule(n).in_features == 256 for n in record["quantized"])
 
 
@@ -77,9 +79,10 @@ def test_w4a16_with_nothing_divisible_is_an_error():
         n for n, m in ctx.transformer.named_modules() if isinstance(m, nn.Linear) and m.in_features == 256
     ]
     with pytest.raises(
-        ValueError, match=r"w4a16 found no Linear .*: the in_features of all \d+ candidates .* group_size 128"
+        ValueError,
+        match=r"w4a16 found no Linear .* \(\d+ cannot take it: in_features 64 is not a multiple of group_size 128\)",
     ):
-        apply_step(ctx, W4A16Config(group_size=128, exclude=tuple(wide)))
+        apply_transform(ctx, W4A16Config(group_size=128, exclude=tuple(wide)))
 
 
 def test_a_step_with_nothing_to_quantize_is_an_error():
@@ -90,4 +93,4 @@ def test_a_step_with_nothing_to_quantize_is_an_error():
         W4A16Config(exclude=("*",)),
     ):
         with pytest.raises(ValueError, match=f"{config.kind} found no Linear layer"):
-            apply_step(ctx, config)
+            apply_transform(ctx, config)

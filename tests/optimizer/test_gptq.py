@@ -10,15 +10,15 @@ import torch
 import sdkiln
 from sdkiln.calibrate.hessian import HessianAccumulator, collect_hessians, hessian_groups
 from sdkiln.calibrate.loop import PromptLoop
-from sdkiln.configs import RecipeConfig, W4A16Config, W8A8DynamicConfig, W8A16Config
+from sdkiln.configs import Deployment, RecipeConfig, W4A16Config, W8A8DynamicConfig, W8A16Config
 from sdkiln.errors import RecipeError
+from sdkiln.export.summary import summarize
 from sdkiln.kernels.int4 import unpack_int4
-from sdkiln.optimizer.gptq import expand_scale, gptq_round, output_error
+from sdkiln.optimizer.quant.gptq import expand_scale, gptq_round, output_error
 from sdkiln.optimizer.recipes import resolve_recipe
 from sdkiln.runtime.package import open_package
 from sdkiln.runtime.quant.w8a8_dynamic import W8A8Linear, int8_weight
 from sdkiln.runtime.quant.weight_only import W4A16Linear, W8A16Linear
-from sdkiln.runtime.summary import summarize
 
 # Tolerances, stated once. Integer results and package round trips are exact (torch.equal). The
 # streamed second moment is an fp32 running mean against a float64 product: within 1e-5 of the
@@ -120,7 +120,7 @@ def test_hessian_groups_fit_the_budget_in_order():
 def test_one_pass_or_several_collect_the_same_moments(flux_tiny):
     spec, pipe = flux_tiny
     names = ["transformer_blocks.0.attn.to_q", "single_transformer_blocks.0.proj_mlp"]
-    loop = PromptLoop(spec, 1, 2)
+    loop = PromptLoop(spec, 1, spec.call_kwargs(num_inference_steps=2))
     one = collect_hessians(pipe, spec.transformer_attr, names, loop, 2**30)
     per_layer = collect_hessians(pipe, spec.transformer_attr, names, loop, 1)
     for name in names:
@@ -150,7 +150,11 @@ def gptq_results(tmp_path_factory):
     out = {}
     for name, (config, _) in SCHEMES.items():
         extra = {"group_size": 64} if config is W4A16Config else {}
-        recipe = RecipeConfig(name, [config(weight_rounding="gptq", calib_samples=1, calib_steps=2, **extra)])
+        recipe = RecipeConfig(
+            name,
+            [config(weight_rounding="gptq", calib_samples=1, **extra)],
+            Deployment(num_inference_steps=2),
+        )
         out[name] = sdkiln.optimize("flux-tiny", recipe, root / name, eval_samples=0)
     return out
 

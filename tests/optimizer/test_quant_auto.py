@@ -15,20 +15,21 @@ import sdkiln
 from sdkiln.calibrate.loop import PromptLoop
 from sdkiln.calibrate.observers import observing
 from sdkiln.cli import main
-from sdkiln.configs import QUANT_AUTO_SCHEMES, QuantAutoConfig, RecipeConfig
+from sdkiln.configs import QuantAutoConfig, RecipeConfig, quant_auto_schemes
 from sdkiln.errors import RecipeError
 from sdkiln.metrics import sqnr_db
 from sdkiln.model_zoo import get_spec
-from sdkiln.optimizer.quant_auto import (
-    BUILDERS,
+from sdkiln.optimizer.quant.quant_auto import (
     FLOAT,
     LayerSensitivity,
+    build_candidate,
     candidate_modules,
     sensitivity_pass,
 )
 from sdkiln.optimizer.recipes import resolve_recipe
-from sdkiln.optimizer.registry import StepContext, apply_step
+from sdkiln.optimizer.registry import TransformContext, apply_transform
 from sdkiln.runtime.package import open_package
+from sdkiln.runtime.quant import Ranges, by_recipe_kind
 from sdkiln.runtime.quant.w8a8_dynamic import W8A8Linear
 from sdkiln.runtime.quant.w8a8_static import W8A8StaticLinear
 
@@ -66,7 +67,7 @@ def spiked_pipeline(spec):
 
 def run_step(spec, config):
     pipe = spiked_pipeline(spec)
-    return pipe, apply_step(StepContext(pipeline=pipe, spec=spec, forward_loop=None), config)
+    return pipe, apply_transform(TransformContext(pipeline=pipe, spec=spec, forward_loop=None), config)
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +122,7 @@ def test_recorded_sqnr_is_the_sqnr_of_the_layer_on_its_held_out_inputs(spec, def
         measured = result.record["plan"][name]["sqnr_db"]
         with torch.no_grad():
             ref = F.linear(x, linear.weight, linear.bias)
-            static = W8A8StaticLinear.from_linear(linear, lo, hi)(x)
+            static = W8A8StaticLinear.from_linear(linear, Ranges(lo, hi))(x)
             dynamic = W8A8Linear.from_linear(linear)(x)
         assert abs(measured["w8a8_static"] - sqnr_db(ref, static)) < SQNR_TOL_DB
         assert abs(measured["w8a8_dynamic"] - sqnr_db(ref, dynamic)) < SQNR_TOL_DB
@@ -138,7 +139,9 @@ def test_a_user_loop_runs_once_per_pass_and_is_recorded(spec):
 
     for config, passes in [(QuantAutoConfig(), 2), (QuantAutoConfig(scheme="w8a16", fallbacks=()), 1)]:
         pipe, runs[:] = spec.build(), []
-        result = apply_step(StepContext(pipeline=pipe, spec=spec, forward_loop=forward_loop), config)
+        result = apply_transform(
+            TransformContext(pipeline=pipe, spec=spec, forward_loop=forward_loop), config
+        )
         assert runs == [pipe] * passes
         assert result.record["sensitivity_data"] == {"loop": "user", "steps": 3}
         assert result.record["calibration"] == ({"loop": "user", "steps": 3} if passes == 2 else None)
@@ -196,7 +199,10 @@ def test_a_scheme_that_cannot_take_a_layer_is_recorded_and_skipped():
 
 
 def test_config_validation_and_the_default_recipe():
-    assert set(BUILDERS) == set(QUANT_AUTO_SCHEMES)
+    layer = nn.Linear(128, 16)
+    ranges = Ranges(-1.0, 1.0, torch.full((4,), -1.0), torch.ones(4))
+    for kind, cls in by_recipe_kind().items():  # every runtime scheme is a candidate, built from its class
+        assert kind in quant_auto_schemes() and type(build_candidate(kind, layer, ranges)) is cls
     for bad, match in [
         (dict(scheme="int3"), "cannot use 'int3'"),
         (dict(fallbacks=("w8a8_static",)), "each scheme once"),

@@ -9,11 +9,13 @@ import torch
 from sdkiln.configs import RecipeConfig, SmoothQuantConfig, W8A8StaticConfig
 from sdkiln.errors import RecipeError
 from sdkiln.model_zoo import get_spec
-from sdkiln.optimizer.calibrated_layers import STATS_FILE, calibrated_targets
+from sdkiln.optimizer.layers import select_layers
+from sdkiln.optimizer.quant.calibration import STATS_FILE
+from sdkiln.optimizer.quant.smoothquant import apply_smoothing, smoothing_groups
 from sdkiln.optimizer.recipes import resolve_recipe
-from sdkiln.optimizer.registry import StepContext, apply_step
-from sdkiln.optimizer.smoothquant import apply_smoothing, smoothing_groups
+from sdkiln.optimizer.registry import TransformContext, apply_transform
 from sdkiln.runtime.quant.smooth import SmoothedLinear
+from sdkiln.runtime.quant.w8a8_dynamic import W8A8DynamicLinear
 
 # Smoothing is an identity in exact arithmetic; in fp32 the transformer's output may move by rounding only.
 FLOAT_TOL = dict(atol=1e-5, rtol=1e-5)
@@ -59,8 +61,8 @@ def output(transformer, kwargs):
 def test_flux_folds_into_the_modulations_and_keeps_multipliers_elsewhere(spec):
     pipe, kwargs = pipeline_and_input(spec)
     original = copy.deepcopy(pipe.transformer)
-    ctx = StepContext(pipeline=pipe, spec=spec, forward_loop=None)
-    targets, _ = calibrated_targets(ctx, ())
+    ctx = TransformContext(pipeline=pipe, spec=spec, forward_loop=None)
+    targets, _ = select_layers(ctx, ())
     groups = smoothing_groups(ctx, [t.layer for t in targets])
     expected = {
         (f"{bl}.{i}.{source}", tuple(f"{bl}.{i}.{c}" for c in consumers))
@@ -81,8 +83,8 @@ def test_flux_folds_into_the_modulations_and_keeps_multipliers_elsewhere(spec):
 def test_the_step_keeps_the_float_model_and_records_its_search(spec):
     pipe, kwargs = pipeline_and_input(spec)
     reference = output(pipe.transformer, kwargs)
-    result = apply_step(
-        StepContext(pipeline=pipe, spec=spec, forward_loop=None), SmoothQuantConfig(calib_samples=1)
+    result = apply_transform(
+        TransformContext(pipeline=pipe, spec=spec, forward_loop=None), SmoothQuantConfig(calib_samples=1)
     )
     torch.testing.assert_close(output(pipe.transformer, kwargs), reference, **FLOAT_TOL)
     record, stats = result.record, result.files[STATS_FILE]
@@ -95,7 +97,7 @@ def test_the_step_keeps_the_float_model_and_records_its_search(spec):
         mul = pipe.transformer.get_submodule(layer).div.mul_scale
         torch.testing.assert_close(stats[f"smoothquant/{layer}.smooth_scale"], 1 / mul)
     assert set(record["folded"]) | set(record["mul_scale"]) | set(record["unsmoothed"]) == {
-        t.layer for t in calibrated_targets(StepContext(pipe, spec, None), ())[0]
+        t.layer for t in select_layers(TransformContext(pipe, spec, None), ())[0]
     }
     assert (
         result.modules == {} and result.files["calibration/config.json"]["smoothquant"]["loop"] == "default"
@@ -109,7 +111,7 @@ def test_an_outlier_channel_is_smoothed_and_its_error_drops(spec):
         proj = pipe.transformer.get_submodule("transformer_blocks.0.ff.net.0.proj")
         proj.weight[7] *= 30
         proj.bias[7] = 30 * proj.bias[7].abs() + 30
-    result = apply_step(StepContext(pipe, spec, None), SmoothQuantConfig(calib_samples=1))
+    result = apply_transform(TransformContext(pipe, spec, None), SmoothQuantConfig(calib_samples=1))
     (group,) = [g for g in result.record["groups"] if g["layers"] == ["transformer_blocks.0.ff.net.2"]]
     assert group["alpha"] is not None
     assert group["errors"][str(group["alpha"])] < 0.5 * group["errors"]["none"]
@@ -126,24 +128,25 @@ def test_smoothquant_needs_an_int8_step_after_it_with_the_same_excludes(spec):
         RecipeConfig("x", [SmoothQuantConfig(target="w8a8_dynamic"), W8A8StaticConfig()])
     with pytest.raises(ValueError, match="target must be one of"):
         SmoothQuantConfig(target="w8a16")
-    # the recipe tells the step which int8 layer its alpha search scores
+    # the recipe tells the step which int8 layer its alpha search scores, without editing the step
     for name, target in [
         ("w8a8-static+smoothquant", "w8a8_static"),
         ("smoothquant+w8a8-timestep", "w8a8_timestep"),
         ("w8a8-dynamic+smoothquant", "w8a8_dynamic"),
     ]:
-        steps = resolve_recipe(name).steps
-        assert [s.kind for s in steps] == ["smoothquant", target]
-        assert steps[0].target == target
-        assert RecipeConfig.from_dict(resolve_recipe(name).to_dict()).steps[0].target == target
+        recipe = resolve_recipe(name)
+        assert [s.kind for s in recipe.steps] == ["smoothquant", target]
+        assert recipe.target_of(recipe.steps[0]) == target and recipe.steps[0].target is None
+        again = RecipeConfig.from_dict(recipe.to_dict())
+        assert again == recipe and again.target_of(again.steps[0]) == target
 
     pipe = spec.build()
-    ctx = StepContext(pipe, spec, None)
-    record = apply_step(ctx, SmoothQuantConfig(calib_samples=1)).record
+    ctx = TransformContext(pipe, spec, None)
+    record = apply_transform(ctx, SmoothQuantConfig(calib_samples=1)).record
     with pytest.raises(ValueError, match="smoothed with an input multiplier"):
-        apply_step(ctx, W8A8StaticConfig(calib_samples=1, exclude=(record["mul_scale"][0],)))
+        apply_transform(ctx, W8A8StaticConfig(calib_samples=1, exclude=(record["mul_scale"][0],)))
     with pytest.raises(ValueError, match="already smoothed"):
-        apply_step(ctx, SmoothQuantConfig(calib_samples=1))
+        apply_transform(ctx, SmoothQuantConfig(calib_samples=1))
 
 
 def test_before_w8a8_dynamic_alpha_is_scored_per_token_and_the_package_round_trips(spec, tmp_path):
@@ -159,13 +162,15 @@ def test_before_w8a8_dynamic_alpha_is_scored_per_token_and_the_package_round_tri
         proj = pipe.transformer.get_submodule("transformer_blocks.0.ff.net.0.proj")
         proj.weight[7] *= 30
         proj.bias[7] = 30 * proj.bias[7].abs() + 30
-    ctx = StepContext(pipe, spec, None)
-    dynamic = apply_step(ctx, SmoothQuantConfig(calib_samples=1, target="w8a8_dynamic")).record
+    ctx = TransformContext(pipe, spec, None)
+    dynamic = apply_transform(ctx, SmoothQuantConfig(calib_samples=1, target="w8a8_dynamic")).record
     (group,) = [g for g in dynamic["groups"] if g["layers"] == ["transformer_blocks.0.ff.net.2"]]
     assert group["alpha"] is not None
     assert group["errors"][str(group["alpha"])] < 0.5 * group["errors"]["none"]
     # per-token scales already absorb part of what a static range cannot: the errors differ
-    static = apply_step(StepContext(spec.build(), spec, None), SmoothQuantConfig(calib_samples=1)).record
+    static = apply_transform(
+        TransformContext(spec.build(), spec, None), SmoothQuantConfig(calib_samples=1)
+    ).record
     assert [g["errors"] for g in static["groups"]] != [g["errors"] for g in dynamic["groups"]]
 
     recipe = RecipeConfig("sq-dyn", [SmoothQuantConfig(calib_samples=1), W8A8DynamicConfig()])
@@ -182,3 +187,25 @@ def test_before_w8a8_dynamic_alpha_is_scored_per_token_and_the_package_round_tri
     img_pkg, lat_pkg = generate(loaded, call, prompts, seeds)
     assert torch.equal(lat_mem, lat_pkg)
     assert np.array_equal(img_mem, img_pkg)
+
+
+def test_a_later_step_leaves_alone_smoothed_layers_an_earlier_step_quantized():
+    """A layer with an input multiplier whose inner Linear an earlier step quantized is no longer a
+    candidate, even where a later step's excludes would keep it in float (that was refused before:
+    'smoothed ... but this step keeps it in float'); a smoothed layer still in float is taken."""
+    spec = get_spec("flux-tiny")
+    pipe = spec.build()
+    ctx = TransformContext(pipe, spec, None)
+    model = pipe.transformer
+    done, pending = "transformer_blocks.0.attn.to_out.0", "transformer_blocks.1.attn.to_out.0"
+    for name in (done, pending):
+        parent, _, leaf = name.rpartition(".")
+        smoothed = SmoothedLinear.from_linear(model.get_submodule(name), torch.full((128,), 2.0))
+        setattr(model.get_submodule(parent), leaf, smoothed)
+    model.get_submodule(done).linear = W8A8DynamicLinear.from_linear(model.get_submodule(done).linear)
+    targets, kept = select_layers(ctx, exclude=("transformer_blocks.0.*",))
+    names = {t.layer: t for t in targets}
+    assert done not in names and done not in kept
+    assert names[pending].smoothed and names[pending].linear == f"{pending}.linear"
+    with pytest.raises(ValueError, match=f"{pending} was smoothed .* keeps it in float"):
+        select_layers(ctx, exclude=("transformer_blocks.1.*",))

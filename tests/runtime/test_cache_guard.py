@@ -7,7 +7,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from sdkiln.errors import PackageError
-from sdkiln.optimizer.cache_layout import block_layout, run_sigmas
+from sdkiln.optimizer.cache.layout import block_layout, run_sigmas
 from sdkiln.runtime.cache import BATCHED, Action, CacheSchedule, attach_cache, detach_cache
 from sdkiln.runtime.cache.guard import Guard, agree, calibrate, input_change
 
@@ -17,7 +17,7 @@ PROMPT = "a photo of a dog"
 
 
 def run(pipe, spec, callback=None, seed=0):
-    call = {**spec.call_kwargs(steps=STEPS), "output_type": "latent"}
+    call = {**spec.call_kwargs(num_inference_steps=STEPS), "output_type": "latent"}
     if callback is not None:
         call |= {"callback_on_step_end": callback, "callback_on_step_end_tensor_inputs": ["latents"]}
     with torch.inference_mode():

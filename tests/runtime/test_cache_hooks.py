@@ -5,13 +5,13 @@ import torch
 
 from sdkiln.errors import PackageError, StepError
 from sdkiln.model_zoo import get_spec
-from sdkiln.optimizer.cache_layout import block_layout, run_sigmas
+from sdkiln.optimizer.cache.layout import block_layout, run_sigmas
 from sdkiln.runtime.cache import BATCHED, Action, CacheSchedule, attach_cache, cache_runner, detach_cache
 from sdkiln.runtime.cache.hooks import BLOCK_HOOK, MODEL_HOOK
 
 
 def run(pipe, spec, steps=4, **overrides):
-    call = {**spec.call_kwargs(steps=steps), "output_type": "latent", **overrides}
+    call = {**spec.call_kwargs(num_inference_steps=steps), "output_type": "latent", **overrides}
     with torch.inference_mode():
         return pipe(prompt="a photo of a dog", generator=torch.Generator().manual_seed(0), **call).images
 

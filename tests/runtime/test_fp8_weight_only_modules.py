@@ -7,7 +7,7 @@ from torch import nn
 
 from sdkiln.kernels.int4 import unpack_int4
 from sdkiln.metrics import sqnr_db
-from sdkiln.runtime.quant import QUANT_MODULES, quant_module
+from sdkiln.runtime.quant import quant_module, scheme_classes
 from sdkiln.runtime.quant.fp8_dynamic import FP8Linear
 from sdkiln.runtime.quant.weight_only import W4A16Linear, W8A16Linear
 
@@ -80,7 +80,7 @@ def test_state_dict_names_dtypes_and_shapes(kind):
 def test_rebuilt_on_meta_from_params_is_exact(kind, dtype):
     """The loader's path: quant_module(scheme)(in, out, bias, dtype, "meta", **params), then assign."""
     q = BUILDERS[kind](gaussian_linear(dtype=dtype))
-    assert QUANT_MODULES[q.scheme] is type(q) and quant_module(q.scheme) is type(q)
+    assert scheme_classes()[q.scheme] is type(q) and quant_module(q.scheme) is type(q)
     rebuilt = quant_module(q.scheme)(512, 192, True, dtype, "meta", **q.params())
     rebuilt.load_state_dict(q.state_dict(), strict=True, assign=True)
     x = torch.randn(2, 7, 512, dtype=dtype)

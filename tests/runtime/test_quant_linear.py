@@ -41,3 +41,27 @@ def test_int8_weight_grid_is_absmax_over_127_5_in_minus_128_to_127():
     q, scale = int8_weight(big)
     assert q.min() >= -128 and q.max() <= 127
     assert ((q.float() * scale - big).abs() <= scale / 2 + 1e-6).all()
+
+
+def test_each_scheme_class_is_the_single_source_of_its_tables():
+    """The loader's scheme map, quant_auto's candidates, the recipe kinds and the Ascend ranking are
+    all read off the registered runtime classes."""
+    from sdkiln.configs import RECIPE_STEPS, quant_auto_schemes
+    from sdkiln.export.ascend import type_priority
+    from sdkiln.runtime.quant import QuantLinear, by_recipe_kind, quant_module, scheme_classes
+
+    classes = scheme_classes()
+    assert set(classes) == {"W8A8_DYNAMIC", "W8A8", "W8A8_TIMESTEP", "FP8_DYNAMIC", "W8A16", "W4A16"}
+    for scheme, cls in classes.items():
+        assert issubclass(cls, QuantLinear) and quant_module(scheme) is cls and cls.scheme == scheme
+        assert cls.recipe_kind in RECIPE_STEPS and by_recipe_kind()[cls.recipe_kind] is cls
+        assert (cls.ascend_rank is None) == bool(cls.ascend_refusal)
+    assert set(quant_auto_schemes()) == set(by_recipe_kind())
+    assert type_priority() == ("FLOAT", "W8A16", "W4A16", "W8A8_DYNAMIC", "W8A8_TIMESTEP", "W8A8")
+    assert W8A8Linear is classes["W8A8_DYNAMIC"]  # the old name still imports
+    try:
+        quant_module("W2A2")
+    except KeyError as exc:
+        assert "this sdkiln runs FP8_DYNAMIC" in str(exc)
+    else:
+        raise AssertionError("an unknown scheme was found")

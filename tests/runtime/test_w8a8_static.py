@@ -8,7 +8,7 @@ from torch import nn
 
 from sdkiln import kernels
 from sdkiln.metrics import sqnr_db
-from sdkiln.runtime.quant import quant_module
+from sdkiln.runtime.quant import Ranges, quant_module
 from sdkiln.runtime.quant.smooth import SmoothedLinear
 from sdkiln.runtime.quant.w8a8_static import W8A8StaticLinear
 
@@ -50,7 +50,7 @@ def test_static_layer_equals_the_issue_formulas():
     linear = nn.Linear(96, 40)
     calib = activations(512, 96, seed=1)
     lo, hi = float(calib.min()), float(calib.max())
-    q = W8A8StaticLinear.from_linear(linear, lo, hi)
+    q = W8A8StaticLinear.from_linear(linear, Ranges(lo, hi))
     x = activations(64, 96, seed=2) * 1.3  # some values beyond the range: the clamp matters
     expected, y = issue_formula(linear, lo, hi, x)
     assert torch.equal(q.weight, expected["weight"])
@@ -70,7 +70,7 @@ def test_static_layer_is_close_to_the_float_layer_and_adds_the_bias_once():
     with torch.no_grad():
         linear.bias.fill_(5.0)  # counted twice it would dominate the error
     calib = activations(2048, 256, seed=3)
-    q = W8A8StaticLinear.from_linear(linear, float(calib.min()), float(calib.max()))
+    q = W8A8StaticLinear.from_linear(linear, Ranges(float(calib.min()), float(calib.max())))
     x = activations(256, 256, seed=4)
     with torch.no_grad():
         assert sqnr_db(linear(x), q(x)) > STATIC_MIN_SQNR_DB
@@ -78,9 +78,9 @@ def test_static_layer_is_close_to_the_float_layer_and_adds_the_bias_once():
 
 def test_offset_holds_zero_and_an_all_zero_range_is_harmless():
     linear = nn.Linear(8, 4)
-    positive = W8A8StaticLinear.from_linear(linear, 0.5, 2.0)  # the range is widened to [0, 2]
+    positive = W8A8StaticLinear.from_linear(linear, Ranges(0.5, 2.0))  # the range is widened to [0, 2]
     assert positive.input_offset.item() == -128 and positive.input_scale.item() == pytest.approx(2 / 255)
-    zero = W8A8StaticLinear.from_linear(linear, 0.0, 0.0)
+    zero = W8A8StaticLinear.from_linear(linear, Ranges(0.0, 0.0))
     assert zero.input_scale.item() == 1.0
     with torch.no_grad():
         torch.testing.assert_close(
@@ -93,7 +93,7 @@ def test_quant_bias_that_could_overflow_is_refused():
     with torch.no_grad():
         linear.bias.fill_(1e9)
     with pytest.raises(ValueError, match="beyond what an int32 accumulator"):
-        W8A8StaticLinear.from_linear(linear, -1e-3, 1e-3)
+        W8A8StaticLinear.from_linear(linear, Ranges(-1e-3, 1e-3))
 
 
 def test_quantize_per_tensor_rounds_half_to_even_adds_the_offset_and_clamps():
@@ -112,7 +112,7 @@ def test_smoothed_layer_keeps_the_ascend_names_and_rebuilds_on_meta():
     x = torch.randn(3, 16)
     with torch.no_grad():
         torch.testing.assert_close(smoothed(x), linear(x), atol=1e-5, rtol=1e-5)
-    smoothed.linear = W8A8StaticLinear.from_linear(smoothed.linear, -3.0, 3.0)
+    smoothed.linear = W8A8StaticLinear.from_linear(smoothed.linear, Ranges(-3.0, 3.0))
     keys = set(smoothed.state_dict())
     assert keys == {
         "div.mul_scale",

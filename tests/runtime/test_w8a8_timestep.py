@@ -10,7 +10,8 @@ import sdkiln.kernels as K
 from sdkiln.configs import W8A8TimestepConfig
 from sdkiln.errors import StepError
 from sdkiln.model_zoo import get_spec
-from sdkiln.optimizer.registry import StepContext, apply_step
+from sdkiln.optimizer.registry import TransformContext, apply_transform
+from sdkiln.runtime.quant import Ranges
 from sdkiln.runtime.quant.w8a8_dynamic import W8A8Linear
 from sdkiln.runtime.quant.w8a8_static import W8A8StaticLinear
 from sdkiln.runtime.quant.w8a8_timestep import W8A8TimestepLinear
@@ -45,7 +46,7 @@ def layer_with_tracker():
     torch.manual_seed(0)
     linear = nn.Linear(32, 16)
     lo, hi = -torch.rand(STEPS) * 4 - 0.5, torch.rand(STEPS) * 4 + 0.5
-    layer = W8A8TimestepLinear.from_linear(linear, lo, hi, dynamic_steps=DYNAMIC)
+    layer = W8A8TimestepLinear.from_linear(linear, Ranges(step_min=lo, step_max=hi), dynamic_steps=DYNAMIC)
     layer.step_tracker = SimpleNamespace(step=0, num_steps=STEPS)
     return linear, lo, hi, layer
 
@@ -61,7 +62,7 @@ def test_each_step_runs_the_dynamic_path_or_its_own_static_row(spy):
             expected = (
                 W8A8Linear.from_linear(linear)(x)
                 if t < DYNAMIC
-                else W8A8StaticLinear.from_linear(linear, float(lo[t]), float(hi[t]))(x)
+                else W8A8StaticLinear.from_linear(linear, Ranges(float(lo[t]), float(hi[t])))(x)
             )
         assert torch.equal(y, expected)
         assert spy.calls[0] == (("dynamic",) if t < DYNAMIC else ("static", layer.input_scale[t].item()))
@@ -89,8 +90,8 @@ def test_policy_switches_at_the_chosen_step_in_a_real_pipeline(spy):
     spec = get_spec("flux-tiny")
     pipe = spec.build()
     spy.on = False
-    ctx = StepContext(pipeline=pipe, spec=spec, forward_loop=None)
-    result = apply_step(ctx, W8A8TimestepConfig(calib_samples=1, dynamic_steps=(DYNAMIC,)))
+    ctx = TransformContext(pipeline=pipe, spec=spec, forward_loop=None)
+    result = apply_transform(ctx, W8A8TimestepConfig(calib_samples=1, dynamic_steps=(DYNAMIC,)))
     assert result.record["dynamic_steps"] == DYNAMIC and result.record["num_steps"] == STEPS
     layer = pipe.transformer.get_submodule("single_transformer_blocks.1.proj_out")
     layer.register_forward_pre_hook(lambda m, a: setattr(spy, "on", True))
@@ -105,7 +106,7 @@ def test_policy_switches_at_the_chosen_step_in_a_real_pipeline(spy):
 
 
 def test_step_window_takes_the_union_of_neighbouring_ranges():
-    from sdkiln.optimizer.w8a8_timestep import window_range
+    from sdkiln.optimizer.quant.w8a8_timestep import window_range
 
     lo, hi = torch.tensor([0.0, -5, 0, 0, -1]), torch.tensor([1.0, 0, 3, 0, 0])
     assert window_range(lo, hi, 0) == (lo, hi)

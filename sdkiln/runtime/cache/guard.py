@@ -7,7 +7,7 @@ taken. It costs one subtraction and one reduction and no block evaluation, so it
 the indicators the cache profile records. If it exceeds the step's threshold, the step runs full
 (and refreshes the caches): an input the calibration never saw is not served from a cache.
 
-Thresholds come from calibration (``cache_search``): the schedule runs on the calibration samples
+Thresholds come from calibration (``sdkiln.optimizer.cache.search``): the schedule runs on the calibration samples
 with the guard recording, and each reuse step's threshold is a quantile of the values seen there
 times a margin. The schedule stores them per branch and step; a step without one is never forced.
 

@@ -10,11 +10,10 @@ import torch
 from torch import nn
 
 from sdkiln import kernels
-from sdkiln.runtime.quant import register_quant_module
+from sdkiln.runtime.quant import QuantLinear
 
 
-@register_quant_module
-class FP8Linear(nn.Module):
+class FP8DynamicLinear(QuantLinear):
     """float8_e4m3fn per-channel weight (``scale = absmax / 448``); activations quantized per token
     to float8 at run time (FP8_DYNAMIC).
 
@@ -23,22 +22,23 @@ class FP8Linear(nn.Module):
     """
 
     scheme = "FP8_DYNAMIC"
+    recipe_kind = "fp8_dynamic"
+    ascend_refusal = (
+        "MindIE SD has no FP8 linear format: its FP8_DYNAMIC quantizes attention (fa_quant) and "
+        "msModelSlim's WFP8AFP8_DYNAMIC is not a QuantAlgorithm MindIE SD reads; export an int8 "
+        "or weight-only recipe for Ascend instead"
+    )
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype=torch.float32, device=None):
         super().__init__()
-        self.in_features = in_features
-        self.out_features = out_features
         self.register_buffer(
             "weight", torch.empty(out_features, in_features, dtype=torch.float8_e4m3fn, device=device)
         )
         self.register_buffer("weight_scale", torch.empty(out_features, 1, dtype=torch.float32, device=device))
-        if bias:
-            self.register_buffer("bias", torch.empty(out_features, dtype=dtype, device=device))
-        else:
-            self.bias = None
+        self._init_linear(in_features, out_features, bias, dtype, device)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear) -> FP8Linear:
+    def from_linear(cls, linear: nn.Linear, ranges=None) -> FP8DynamicLinear:
         """Quantize each output channel as ``fp8_quantize_per_token`` quantizes a token (an all-zero
         channel gets scale 1)."""
         weight = linear.weight.detach()
@@ -50,12 +50,10 @@ class FP8Linear(nn.Module):
             mod.bias.copy_(linear.bias.detach())
         return mod
 
-    def params(self) -> dict:
-        return {}
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x_q, x_scale = kernels.fp8_quantize_per_token(x)
         return kernels.fp8_linear(x_q, x_scale, self.weight, self.weight_scale, self.bias, x.dtype)
 
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.scheme}"
+
+FP8Linear = FP8DynamicLinear
+"""The name before milestone 2; kept for code that imports it."""

@@ -23,8 +23,8 @@ import torch
 from torch import nn
 
 from sdkiln import kernels
-from sdkiln.runtime.quant import register_quant_module
-from sdkiln.runtime.quant.w8a8_dynamic import W8A8Linear
+from sdkiln.runtime.quant import QuantLinear
+from sdkiln.runtime.quant.w8a8_dynamic import W8A8DynamicLinear
 
 # |x_q @ Wq.T| <= K * 128 * 128 (both in [-128, 127]); quant_bias must leave room for it in int32.
 _INT32_MAX = 2**31 - 1
@@ -71,16 +71,16 @@ def static_params(
     return deq, qb.to(torch.int32)
 
 
-@register_quant_module
-class W8A8StaticLinear(nn.Module):
+class W8A8StaticLinear(QuantLinear):
     """int8 weight, int8 activations with one calibrated scale/offset per tensor (W8A8)."""
 
     scheme = "W8A8"
+    recipe_kind = "w8a8_static"
+    needs_ranges = True
+    ascend_rank = 5
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype=torch.float32, device=None):
         super().__init__()
-        self.in_features = in_features
-        self.out_features = out_features
         self.register_buffer(
             "weight", torch.empty(out_features, in_features, dtype=torch.int8, device=device)
         )
@@ -88,16 +88,15 @@ class W8A8StaticLinear(nn.Module):
         self.register_buffer("input_offset", torch.empty(1, dtype=torch.float32, device=device))
         self.register_buffer("deq_scale", torch.empty(out_features, dtype=torch.float32, device=device))
         self.register_buffer("quant_bias", torch.empty(out_features, dtype=torch.int32, device=device))
-        if bias:
-            self.register_buffer("bias", torch.empty(out_features, dtype=dtype, device=device))
-        else:
-            self.bias = None
+        self._init_linear(in_features, out_features, bias, dtype, device)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, x_min: float, x_max: float) -> W8A8StaticLinear:
-        """Quantize ``linear`` for inputs calibrated to the range [x_min, x_max]."""
-        dyn = W8A8Linear.from_linear(linear)
-        scale, offset = activation_params(torch.tensor([x_min]), torch.tensor([x_max]))
+    def from_linear(cls, linear: nn.Linear, ranges) -> W8A8StaticLinear:
+        """Quantize ``linear`` for inputs calibrated to the range [ranges.min, ranges.max]."""
+        dyn = W8A8DynamicLinear.from_linear(linear)
+        scale, offset = activation_params(
+            torch.tensor([float(ranges.min)]), torch.tensor([float(ranges.max)])
+        )
         bias = None if linear.bias is None else linear.bias.detach()
         deq, qb = static_params(dyn.weight, dyn.weight_scale, bias, scale, offset)
         mod = cls(
@@ -112,12 +111,6 @@ class W8A8StaticLinear(nn.Module):
             mod.bias.copy_(bias)
         return mod
 
-    def params(self) -> dict:
-        return {}
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x_q = kernels.quantize_per_tensor_int8(x, self.input_scale, self.input_offset)
         return kernels.w8a8_static_linear(x_q, self.weight, self.deq_scale, self.quant_bias, x.dtype)
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.scheme}"

@@ -25,8 +25,8 @@ from torch import nn
 
 from sdkiln import kernels
 from sdkiln.errors import StepError
-from sdkiln.runtime.quant import register_quant_module
-from sdkiln.runtime.quant.w8a8_dynamic import W8A8Linear
+from sdkiln.runtime.quant import QuantLinear
+from sdkiln.runtime.quant.w8a8_dynamic import W8A8DynamicLinear
 from sdkiln.runtime.quant.w8a8_static import activation_params, static_params
 
 
@@ -35,12 +35,14 @@ def runs_dynamic(step: int, dynamic_steps: int) -> bool:
     return step < dynamic_steps
 
 
-@register_quant_module
-class W8A8TimestepLinear(nn.Module):
+class W8A8TimestepLinear(QuantLinear):
     """int8 weight; per-step static activation parameters, per-token dynamic ones for early steps."""
 
     scheme = "W8A8_TIMESTEP"
+    recipe_kind = "w8a8_timestep"
+    needs_ranges = True
     needs_step = True
+    ascend_rank = 4
 
     def __init__(
         self,
@@ -58,7 +60,6 @@ class W8A8TimestepLinear(nn.Module):
             raise ValueError(
                 f"need num_steps >= 1 and 0 <= dynamic_steps <= num_steps, got {num_steps}, {dynamic_steps}"
             )
-        self.in_features, self.out_features = in_features, out_features
         self.num_steps, self.dynamic_steps = num_steps, dynamic_steps
         self.step_tracker = None
         f32 = dict(dtype=torch.float32, device=device)
@@ -73,17 +74,15 @@ class W8A8TimestepLinear(nn.Module):
         self.register_buffer(
             "quant_bias", torch.empty(num_steps, out_features, dtype=torch.int32, device=device)
         )
-        if bias:
-            self.register_buffer("bias", torch.empty(out_features, dtype=dtype, device=device))
-        else:
-            self.bias = None
+        self._init_linear(in_features, out_features, bias, dtype, device)
 
     @classmethod
-    def from_linear(
-        cls, linear: nn.Linear, step_min: torch.Tensor, step_max: torch.Tensor, dynamic_steps: int
-    ) -> W8A8TimestepLinear:
-        """Quantize ``linear`` for inputs calibrated to [step_min[t], step_max[t]] at step t ([T] each)."""
-        dyn = W8A8Linear.from_linear(linear)
+    def from_linear(cls, linear: nn.Linear, ranges, dynamic_steps: int = 0) -> W8A8TimestepLinear:
+        """Quantize ``linear`` for inputs calibrated to [step_min[t], step_max[t]] at step t
+        (``ranges.step_min`` and ``ranges.step_max``, [T] each); the first ``dynamic_steps`` steps
+        run dynamically."""
+        step_min, step_max = ranges.step_min, ranges.step_max
+        dyn = W8A8DynamicLinear.from_linear(linear)
         t = step_min.numel()
         scale, offset = activation_params(step_min.reshape(t, 1), step_max.reshape(t, 1))
         bias = None if linear.bias is None else linear.bias.detach()
@@ -138,9 +137,3 @@ class W8A8TimestepLinear(nn.Module):
             return kernels.w8a8_linear(x_q, x_scale, self.weight, self.weight_scale, self.bias, x.dtype)
         x_q = kernels.quantize_per_tensor_int8(x, self.input_scale[t], self.input_offset[t])
         return kernels.w8a8_static_linear(x_q, self.weight, self.deq_scale[t], self.quant_bias[t], x.dtype)
-
-    def extra_repr(self) -> str:
-        return (
-            f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.scheme}, "
-            f"num_steps={self.num_steps}, dynamic_steps={self.dynamic_steps}"
-        )

@@ -13,8 +13,8 @@ from torch import nn
 
 from sdkiln import kernels
 from sdkiln.kernels.int4 import pack_int4
-from sdkiln.runtime.quant import register_quant_module
-from sdkiln.runtime.quant.w8a8_dynamic import int8_weight
+from sdkiln.runtime.quant import QuantLinear
+from sdkiln.runtime.quant.w8a8_dynamic import INT8_WEIGHT_RANGE, int8_weight
 
 # W4A16 values lie in [-7, 7]: symmetric around a zero offset, as the Ascend format's zero
 # weight_offset says. The storage format and the op also decode -8, so other producers may use it.
@@ -30,25 +30,19 @@ def _symmetric(groups: torch.Tensor, qmax: int) -> tuple[torch.Tensor, torch.Ten
     return values, scale
 
 
-class _WeightOnlyLinear(nn.Module):
-    scheme = ""
+class _WeightOnlyLinear(QuantLinear):
     group_size = 0
 
     def _init_common(
         self, in_features: int, out_features: int, bias: bool, dtype, device, groups: int
     ) -> None:
-        self.in_features = in_features
-        self.out_features = out_features
         self.register_buffer(
             "weight_scale", torch.empty(out_features, groups, dtype=torch.float32, device=device)
         )
         self.register_buffer(
             "weight_offset", torch.empty(out_features, groups, dtype=torch.float32, device=device)
         )
-        if bias:
-            self.register_buffer("bias", torch.empty(out_features, dtype=dtype, device=device))
-        else:
-            self.bias = None
+        self._init_linear(in_features, out_features, bias, dtype, device)
 
     def _fill(self, linear: nn.Linear, weight: torch.Tensor, scale: torch.Tensor) -> None:
         self.weight.copy_(weight)
@@ -58,20 +52,12 @@ class _WeightOnlyLinear(nn.Module):
             self.bias.copy_(linear.bias.detach())
 
     def set_values(self, values: torch.Tensor) -> None:
-        """Replace the integer values [N, K] (any dtype holding integers in range), keeping the scales."""
         self.weight.copy_(values.to(torch.int8))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return kernels.weight_only_linear(x, self.weight, self.weight_scale, self.bias, self.group_size)
 
-    def extra_repr(self) -> str:
-        extra = f", group_size={self.group_size}" if self.group_size else ""
-        return (
-            f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.scheme}{extra}"
-        )
 
-
-@register_quant_module
 class W8A16Linear(_WeightOnlyLinear):
     """int8 per-channel symmetric weight (``int8_weight``: ``absmax / 127.5``, values in [-128, 127]);
     float activations (W8A16).
@@ -80,6 +66,9 @@ class W8A16Linear(_WeightOnlyLinear):
     """
 
     scheme = "W8A16"
+    recipe_kind = "w8a16"
+    weight_range = INT8_WEIGHT_RANGE
+    ascend_rank = 1
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype=torch.float32, device=None):
         super().__init__()
@@ -89,18 +78,14 @@ class W8A16Linear(_WeightOnlyLinear):
         self._init_common(in_features, out_features, bias, dtype, device, groups=1)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear) -> W8A16Linear:
+    def from_linear(cls, linear: nn.Linear, ranges=None) -> W8A16Linear:
         w = linear.weight.detach()
         mod = cls(linear.in_features, linear.out_features, linear.bias is not None, w.dtype, w.device)
         values, scale = int8_weight(w)
         mod._fill(linear, values, scale)
         return mod
 
-    def params(self) -> dict:
-        return {}
 
-
-@register_quant_module
 class W4A16Linear(_WeightOnlyLinear):
     """int4 group-wise symmetric weight: one scale (``absmax / 7``) per ``group_size`` consecutive
     inputs of an output channel, values in [-7, 7] packed two per byte (W4A16).
@@ -109,6 +94,9 @@ class W4A16Linear(_WeightOnlyLinear):
     """
 
     scheme = "W4A16"
+    recipe_kind = "w4a16"
+    weight_range = (-INT4_QMAX, INT4_QMAX)
+    ascend_rank = 2
 
     def __init__(
         self,
@@ -132,7 +120,9 @@ class W4A16Linear(_WeightOnlyLinear):
         self._init_common(in_features, out_features, bias, dtype, device, groups=in_features // group_size)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, group_size: int) -> W4A16Linear:
+    def from_linear(cls, linear: nn.Linear, ranges=None, *, group_size: int) -> W4A16Linear:
+        if linear.in_features % group_size:
+            raise ValueError(f"in_features {linear.in_features} is not a multiple of group_size {group_size}")
         w = linear.weight.detach()
         mod = cls(
             linear.in_features,

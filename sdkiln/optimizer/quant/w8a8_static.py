@@ -9,30 +9,26 @@ so the parameters can be re-derived, or derived differently, without running the
 from __future__ import annotations
 
 from sdkiln.configs import W8A8StaticConfig
-from sdkiln.optimizer.calibrated_layers import (
-    calibrate,
-    calibrated_targets,
-    calibration_files,
-    manifest_entry,
-    replace,
-)
-from sdkiln.optimizer.registry import StepContext, StepResult, register_transform
+from sdkiln.optimizer.layers import manifest_entry, replace, select_layers
+from sdkiln.optimizer.quant.calibration import calibrate, calibration_files
+from sdkiln.optimizer.registry import TransformContext, TransformResult, register_transform
 from sdkiln.runtime.quant.w8a8_static import W8A8StaticLinear
 
 
 @register_transform(W8A8StaticConfig)
-def apply_w8a8_static(ctx: StepContext, config: W8A8StaticConfig) -> StepResult:
+def apply_w8a8_static(ctx: TransformContext, config: W8A8StaticConfig) -> TransformResult:
     model = ctx.transformer
-    targets, kept = calibrated_targets(ctx, config.exclude)
-    observers, record = calibrate(ctx, [t.linear for t in targets], config.calib_samples, config.calib_steps)
+    targets, kept = select_layers(ctx, config.exclude)
+    if not targets:
+        raise ValueError("w8a8_static found no Linear layer to quantize inside the transformer blocks")
+    observers, record = calibrate(ctx, [t.linear for t in targets], config.calib_samples)
     modules = {}
     for target in targets:
-        obs = observers[target.linear]
-        module = W8A8StaticLinear.from_linear(model.get_submodule(target.linear), obs.min, obs.max)
+        module = W8A8StaticLinear.from_linear(model.get_submodule(target.linear), observers[target.linear])
         replace(model, target, module)
         modules[target.layer] = manifest_entry(target, module)
     by_layer = {t.layer: observers[t.linear] for t in targets}
-    return StepResult(
+    return TransformResult(
         modules=modules,
         record={
             "quantized": [t.layer for t in targets],

@@ -5,8 +5,8 @@ activations that a per-tensor static range cannot hold without crushing everythi
 most are fine with it. So each layer gets the first scheme of ``(scheme, *fallbacks)`` whose output
 is close enough to the float layer's, and stays in float if none is:
 
-1. Range pass (only if a candidate scheme needs activation ranges: w8a8_static, w8a8_timestep): the
-   static steps' calibration (``calibrated_layers.calibrate``) over ``calib_samples`` samples; its
+1. Range pass (only if a candidate scheme's runtime class ``needs_ranges``: w8a8_static,
+   w8a8_timestep): the static steps' calibration (``calibration.calibrate``) over ``calib_samples`` samples; its
    statistics go into ``calibration/stats.safetensors`` under ``quant_auto/``, as the static step's do.
 2. Sensitivity pass: every candidate layer's input, as the float model computes it, goes through
    the float layer and through each candidate scheme's module (built from the layer and its ranges);
@@ -28,7 +28,6 @@ recorded under ``not_applicable`` with the reason and is not chosen.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -37,52 +36,24 @@ from torch import nn
 
 from sdkiln.calibrate.loop import ForwardLoop, resolve_loop
 from sdkiln.calibrate.observers import InputObserver, observing
-from sdkiln.configs import QuantAutoConfig, W4A16Config
+from sdkiln.configs import RECIPE_STEPS, QuantAutoConfig
 from sdkiln.metrics import ratio_db
-from sdkiln.optimizer.calibrated_layers import (
-    Target,
-    calibrate,
-    calibration_files,
-    manifest_entry,
-    replace,
-    require_every_step,
-)
-from sdkiln.optimizer.layers import block_linears
-from sdkiln.optimizer.registry import StepContext, StepResult, register_transform
-from sdkiln.runtime.quant.fp8_dynamic import FP8Linear
-from sdkiln.runtime.quant.w8a8_dynamic import W8A8Linear
-from sdkiln.runtime.quant.w8a8_static import W8A8StaticLinear
-from sdkiln.runtime.quant.w8a8_timestep import W8A8TimestepLinear
-from sdkiln.runtime.quant.weight_only import W4A16Linear, W8A16Linear
+from sdkiln.optimizer.layers import manifest_entry, replace, select_layers
+from sdkiln.optimizer.quant.calibration import calibrate, calibration_files, require_every_step
+from sdkiln.optimizer.registry import TransformContext, TransformResult, register_transform
+from sdkiln.runtime.quant import by_recipe_kind
 from sdkiln.runtime.steps import attach_step_tracker
 
 FLOAT = "float"
 SQNR_CAP_DB = 100.0
 """An error-free candidate has infinite SQNR; the record caps it here so the JSON stays standard."""
-W4A16_GROUP_SIZE = W4A16Config().group_size
 
 
-def _w4a16(linear: nn.Linear, _ranges: InputObserver | None) -> nn.Module:
-    if linear.in_features % W4A16_GROUP_SIZE:
-        raise ValueError(
-            f"in_features {linear.in_features} is not a multiple of group_size {W4A16_GROUP_SIZE}"
-        )
-    return W4A16Linear.from_linear(linear, W4A16_GROUP_SIZE)
-
-
-Builder = Callable[[nn.Linear, InputObserver | None], nn.Module]
-BUILDERS: dict[str, Builder] = {
-    "w8a8_static": lambda linear, ranges: W8A8StaticLinear.from_linear(linear, ranges.min, ranges.max),
-    "w8a8_timestep": lambda linear, ranges: W8A8TimestepLinear.from_linear(
-        linear, ranges.step_min, ranges.step_max, dynamic_steps=0
-    ),
-    "w8a8_dynamic": lambda linear, _: W8A8Linear.from_linear(linear),
-    "fp8_dynamic": lambda linear, _: FP8Linear.from_linear(linear),
-    "w8a16": lambda linear, _: W8A16Linear.from_linear(linear),
-    "w4a16": _w4a16,
-}
-"""Step kind -> the runtime module for one layer, from the float layer and its input ranges."""
-NEEDS_RANGES = frozenset({"w8a8_static", "w8a8_timestep"})
+def build_candidate(kind: str, linear: nn.Linear, ranges: InputObserver | None) -> nn.Module:
+    """Scheme ``kind``'s runtime module for one layer, from the float layer and its input ranges,
+    with the parameters of that kind's default recipe step (W4A16's group size); a W8A8_TIMESTEP
+    candidate runs static at every step (``dynamic_steps`` 0)."""
+    return by_recipe_kind()[kind].from_linear(linear, ranges, **RECIPE_STEPS[kind]().module_params())
 
 
 class LayerSensitivity:
@@ -146,29 +117,33 @@ def candidate_modules(
     modules, reasons = {}, {}
     for scheme in order:
         try:
-            modules[scheme] = BUILDERS[scheme](linear, ranges)
+            modules[scheme] = build_candidate(scheme, linear, ranges)
         except ValueError as exc:
             reasons[scheme] = str(exc)
     return modules, reasons
 
 
 @register_transform(QuantAutoConfig)
-def apply_quant_auto(ctx: StepContext, config: QuantAutoConfig) -> StepResult:
+def apply_quant_auto(ctx: TransformContext, config: QuantAutoConfig) -> TransformResult:
     model = ctx.transformer
-    layers, kept = block_linears(ctx, config.exclude)
+    targets, kept = select_layers(ctx, config.exclude)
+    if any(t.smoothed for t in targets):
+        raise ValueError("quant_auto does not take smoothed layers; smoothquant prepares one int8 scheme")
+    layers = [t.layer for t in targets]
     if not layers:
         raise ValueError("quant_auto found no Linear layer to quantize inside the transformer blocks")
     order = (config.scheme, *config.fallbacks)
+    classes = [by_recipe_kind()[kind] for kind in order]
     ranges, range_record, files = {}, None, {}
-    if NEEDS_RANGES & set(order):
-        ranges, range_record = calibrate(ctx, layers, config.calib_samples, config.calib_steps)
-        if "w8a8_timestep" in order:
-            require_every_step(ranges)
+    if any(cls.needs_ranges for cls in classes):
+        ranges, range_record = calibrate(ctx, layers, config.calib_samples)
+        if any(cls.needs_step for cls in classes):
+            require_every_step(ctx, ranges)
         files = calibration_files(QuantAutoConfig.kind, ranges, range_record)
 
     first = config.calib_samples if ranges else 0
     loop, sens_record = resolve_loop(
-        ctx.spec, ctx.forward_loop, config.sensitivity_samples, config.calib_steps, first
+        ctx.spec, ctx.forward_loop, config.sensitivity_samples, ctx.call_kwargs(), first
     )
     sensitivities, not_applicable = {}, {}
     for name in layers:
@@ -187,7 +162,7 @@ def apply_quant_auto(ctx: StepContext, config: QuantAutoConfig) -> StepResult:
         choice = choose(sqnr, order, config.sqnr_floor_db)
         plan[name] = {"choice": choice, "sqnr_db": sqnr}
         if choice != FLOAT:
-            target, module = Target(name, smoothed=False), sens.candidates[choice]
+            target, module = next(t for t in targets if t.layer == name), sens.candidates[choice]
             replace(model, target, module)
             modules[name] = manifest_entry(target, module)
     if any(getattr(m, "needs_step", False) for m in model.modules()):
@@ -198,7 +173,7 @@ def apply_quant_auto(ctx: StepContext, config: QuantAutoConfig) -> StepResult:
             f"quant_auto: no layer reached {config.sqnr_floor_db} dB with {', '.join(order)}; the model stays float",
             stacklevel=2,
         )
-    return StepResult(
+    return TransformResult(
         modules=modules,
         record={
             "quantized": list(modules),

@@ -4,7 +4,7 @@
    does that) runs uncached on ``calib_samples`` calibration prompts as one batch, recording how
    every block's residual changes from step to step (``calibrate.cache_profile``, kept in the
    package with a heatmap) and the latents before every step (``calibrate.trajectories``).
-2. **Segment errors** (``cache_plan`` has the model). A segment (s, L, a) is a full step s followed
+2. **Segment errors** (``plan`` has the model). A segment (s, L, a) is a full step s followed
    by L steps of reuse action a. For each full step s and action a, one partial run starts from the
    reference latents before s, runs s full, then a for up to ``max_reuse`` steps, and records the
    latents after every step: the relative L2 error after step s+L is the segment's local error for
@@ -46,10 +46,10 @@ from sdkiln.calibrate.loop import PromptLoop
 from sdkiln.calibrate.trajectories import Trajectories
 from sdkiln.configs import CacheAutoConfig
 from sdkiln.model_zoo.fingerprint import fingerprint
-from sdkiln.optimizer.cache_layout import block_layout, run_sigmas
-from sdkiln.optimizer.cache_plan import ErrorModel, Segment, fill_gaps
+from sdkiln.optimizer.cache.layout import block_layout, run_sigmas
+from sdkiln.optimizer.cache.plan import ErrorModel, Segment, fill_gaps
 from sdkiln.optimizer.evaluate import PSNR_CAP_DB, generate
-from sdkiln.optimizer.registry import StepContext, StepResult, register_transform
+from sdkiln.optimizer.registry import TransformContext, TransformResult, register_transform
 from sdkiln.runtime.cache import (
     BATCHED,
     FULL,
@@ -69,9 +69,9 @@ EVAL_SEED = 10_000
 class Search:
     """The measurements and the schedules of one ``cache_auto`` step."""
 
-    def __init__(self, ctx: StepContext, config: CacheAutoConfig, prompts: list[str], seeds: list[int]):
+    def __init__(self, ctx: TransformContext, config: CacheAutoConfig, prompts: list[str], seeds: list[int]):
         self.ctx, self.config = ctx, config
-        self.traj = Trajectories(ctx.pipeline, ctx.spec, prompts, seeds, config.steps)
+        self.traj = Trajectories(ctx.pipeline, ctx.spec, prompts, seeds, ctx.call_kwargs())
         self.num_steps = self.traj.num_steps
         self.blocks = block_layout(ctx.spec, ctx.transformer)
         self.num_blocks = sum(b.count for b in self.blocks)
@@ -137,7 +137,7 @@ class Search:
     ) -> dict[str, Any]:
         schedule = self.schedule(actions)
         schedule.guards = guards or {}
-        call = self.ctx.spec.call_kwargs(steps=self.config.steps)
+        call = self.ctx.call_kwargs()
         runner = attach_cache(self.ctx.pipeline, schedule, self.ctx.spec.transformer_attr)
         try:
             images, latents = generate(self.ctx.pipeline, call, prompts, seeds, len(prompts), "confirm")
@@ -161,7 +161,7 @@ class Search:
         input change at every reuse step; each step's threshold is ``guard_quantile`` of the values
         times ``guard_margin``."""
         recorder = Guard(record=True)
-        call = self.ctx.spec.call_kwargs(steps=self.config.steps)
+        call = self.ctx.call_kwargs()
         attach_cache(
             self.ctx.pipeline, self.schedule(actions), self.ctx.spec.transformer_attr, guard=recorder
         )
@@ -306,16 +306,16 @@ def refine(confirmed: Confirmed, start: list[Action], config: CacheAutoConfig, b
 
 
 @register_transform(CacheAutoConfig)
-def apply_cache_auto(ctx: StepContext, config: CacheAutoConfig) -> StepResult:
+def apply_cache_auto(ctx: TransformContext, config: CacheAutoConfig) -> TransformResult:
     started = time.perf_counter()
-    calib = PromptLoop(ctx.spec, config.calib_samples, steps=config.steps)
+    calib = PromptLoop(ctx.spec, config.calib_samples, ctx.call_kwargs())
     prompts, seeds = calib.plan()
     search = Search(ctx, config, prompts, seeds)
     prof = profile(search.traj, search.blocks)
     seconds_per_step = (time.perf_counter() - started) / search.num_steps
     model = search.measure_segments(seconds_per_step)
 
-    call = ctx.spec.call_kwargs(steps=config.steps)
+    call = ctx.call_kwargs()
     ref_images, ref_latents = generate(ctx.pipeline, call, prompts, seeds, len(prompts), "uncached")
     confirmed = Confirmed(search, prompts, seeds, ref_images, ref_latents)
     full = search.num_steps * search.num_blocks
@@ -366,7 +366,7 @@ def apply_cache_auto(ctx: StepContext, config: CacheAutoConfig) -> StepResult:
         "seconds": round(time.perf_counter() - started, 1),
     }
     attach_cache(ctx.pipeline, schedule, ctx.spec.transformer_attr)  # the result runs as the package will
-    return StepResult(
+    return TransformResult(
         modules={},
         record={
             "schedule": SCHEDULE_FILE,
@@ -378,4 +378,5 @@ def apply_cache_auto(ctx: StepContext, config: CacheAutoConfig) -> StepResult:
             "confirmed": len(points),
         },
         files={SCHEDULE_FILE: schedule.to_dict(), PROFILE_FILE: prof, HEATMAP_FILE: heatmap_png(prof)},
+        sections={"cache_schedule": {"file": SCHEDULE_FILE}},
     )

@@ -13,7 +13,7 @@ others, so outlier channels cost the same there (msModelSlim smooths before W8A8
 * alpha is searched per group (a fold's consumers, or one layer) over the config's ``alphas`` plus
   "no smoothing", by the output error of the int8 layer of the step it prepares (``W8A8StaticLinear``,
   its input range derived exactly from the per-channel min/max as min_k(min_k / s_k),
-  max_k(max_k / s_k); or ``W8A8Linear``, per-token scales at run time) against the float layer, summed as relative squared error over the group's layers and over the
+  max_k(max_k / s_k); or ``W8A8DynamicLinear``, per-token scales at run time) against the float layer, summed as relative squared error over the group's layers and over the
   calibration data. That needs two runs of the forward loop: one for the per-channel statistics,
   one streaming the candidates' errors; neither stores activations. With the default loop the
   second run uses the next ``calib_samples`` samples (other seeds), so the error includes the
@@ -38,10 +38,12 @@ from sdkiln.calibrate.loop import PromptLoop
 from sdkiln.calibrate.observers import InputObserver, observing
 from sdkiln.configs import SmoothQuantConfig
 from sdkiln.model_zoo.spec import SmoothFold
-from sdkiln.optimizer.calibrated_layers import calibrate, calibrated_targets, calibration_files
-from sdkiln.optimizer.registry import StepContext, StepResult, register_transform
+from sdkiln.optimizer.layers import select_layers
+from sdkiln.optimizer.quant.calibration import STATS_FILE, calibrate, calibration_files
+from sdkiln.optimizer.registry import TransformContext, TransformResult, register_transform
+from sdkiln.runtime.quant import Ranges
 from sdkiln.runtime.quant.smooth import SmoothedLinear
-from sdkiln.runtime.quant.w8a8_dynamic import W8A8Linear
+from sdkiln.runtime.quant.w8a8_dynamic import W8A8DynamicLinear
 from sdkiln.runtime.quant.w8a8_static import W8A8StaticLinear
 
 _EPS = 1e-5
@@ -61,7 +63,7 @@ class Group:
     errors: dict[str, float] = field(default_factory=dict)
 
 
-def smoothing_groups(ctx: StepContext, layers: list[str]) -> list[Group]:
+def smoothing_groups(ctx: TransformContext, layers: list[str]) -> list[Group]:
     """The spec's folds whose consumers are all being quantized, then one group per other layer."""
     model, chosen = ctx.transformer, set(layers)
     groups, folded = [], set()
@@ -89,6 +91,12 @@ def _check_fold(model: nn.Module, fold: SmoothFold, source: str, consumers: list
         raise ValueError(
             f"spec fold {fold}: {source} has {src.out_features} outputs, not {fold.chunks} chunks"
         )
+
+
+def target_of(ctx: TransformContext, config: SmoothQuantConfig) -> str | None:
+    """The int8 step whose layer scores alpha: the recipe's (its ``target`` or next one), else the
+    config's own ``target`` for a step applied on its own."""
+    return ctx.recipe.target_of(config) if ctx.recipe is not None else config.target
 
 
 def _candidates(
@@ -132,9 +140,9 @@ class _CandidateErrors:
         for c, s in self.candidates.items():
             scaled = _meta_linear(self.linear.weight.detach().float() * s, self.linear.bias)
             if self.ranges is None:
-                quant = W8A8Linear.from_linear(scaled)
+                quant = W8A8DynamicLinear.from_linear(scaled)
             else:
-                quant = W8A8StaticLinear.from_linear(scaled, *self.ranges[c])
+                quant = W8A8StaticLinear.from_linear(scaled, Ranges(*self.ranges[c]))
             smoothed = (x.float() * (1.0 / s)).to(x.dtype)
             self.sse[c] += float((quant(smoothed).double() - reference).pow(2).sum())
 
@@ -152,17 +160,17 @@ def _meta_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
 
 
 def _search(
-    ctx: StepContext, config: SmoothQuantConfig, groups: list[Group], stats: dict[str, InputObserver]
+    ctx: TransformContext, config: SmoothQuantConfig, groups: list[Group], stats: dict[str, InputObserver]
 ) -> dict[str, Any]:
     """Score every group's candidates over one more run of the loop; returns that run's record."""
-    static = config.target != "w8a8_dynamic"  # None (the step applied on its own): static, as before
+    static = target_of(ctx, config) != "w8a8_dynamic"  # None (applied on its own): static
     scores = {
         n: _CandidateErrors(ctx.transformer.get_submodule(n), stats[n], g.candidates, static)
         for g in groups
         for n in g.layers
     }
     if ctx.forward_loop is None:
-        loop = PromptLoop(ctx.spec, config.calib_samples, config.calib_steps, first=config.calib_samples)
+        loop = PromptLoop(ctx.spec, config.calib_samples, ctx.call_kwargs(), first=config.calib_samples)
         record = loop.record()
     else:
         loop, record = ctx.forward_loop, {"loop": "user"}
@@ -202,14 +210,16 @@ def apply_smoothing(model: nn.Module, group: Group, s: torch.Tensor) -> None:
 
 
 @register_transform(SmoothQuantConfig)
-def apply_smoothquant(ctx: StepContext, config: SmoothQuantConfig) -> StepResult:
+def apply_smoothquant(ctx: TransformContext, config: SmoothQuantConfig) -> TransformResult:
     model = ctx.transformer
-    targets, kept = calibrated_targets(ctx, config.exclude)
+    targets, kept = select_layers(ctx, config.exclude)
+    if not targets:
+        raise ValueError("smoothquant found no Linear layer to smooth inside the transformer blocks")
     if any(t.smoothed for t in targets):
         raise ValueError("the model is already smoothed; apply smoothquant once")
     layers = [t.layer for t in targets]
     groups = smoothing_groups(ctx, layers)
-    stats, record = calibrate(ctx, layers, config.calib_samples, config.calib_steps)
+    stats, record = calibrate(ctx, layers, config.calib_samples)
     for g in groups:
         _candidates(g, model, stats, config.alphas)
     search_record = _search(ctx, config, groups, stats)
@@ -221,7 +231,7 @@ def apply_smoothquant(ctx: StepContext, config: SmoothQuantConfig) -> StepResult
         if best != NO_SMOOTHING:
             s = g.candidates[best]
             apply_smoothing(model, g, s)
-            files["calibration/stats.safetensors"].update(
+            files[STATS_FILE].update(
                 {f"{SmoothQuantConfig.kind}/{n}.smooth_scale": s.detach().cpu().clone() for n in g.layers}
             )
         decisions.append(
@@ -232,9 +242,10 @@ def apply_smoothquant(ctx: StepContext, config: SmoothQuantConfig) -> StepResult
                 "errors": g.errors,
             }
         )
-    return StepResult(
+    return TransformResult(
         modules={},
         record={
+            "target": target_of(ctx, config),
             "groups": decisions,
             "folded": [n for d in decisions if d["fold"] for n in d["layers"]],
             "mul_scale": [

@@ -22,7 +22,7 @@ from torch import Tensor
 
 from sdkiln.calibrate.hessian import collect_hessians
 from sdkiln.calibrate.loop import resolve_loop
-from sdkiln.optimizer.registry import StepContext
+from sdkiln.optimizer.registry import TransformContext
 
 
 def expand_scale(scale: Tensor, k: int) -> Tensor:
@@ -103,11 +103,11 @@ def gptq_layer(
 
 
 def gptq_hessians(
-    ctx: StepContext, config: Any, names: list[str]
+    ctx: TransformContext, config: Any, names: list[str]
 ) -> tuple[dict[str, Tensor], dict[str, Any]]:
-    """The input second moments of the named Linears over the step's calibration loop (a config
-    with ``calib_samples``, ``calib_steps`` and ``max_hessian_mb``), and the calibration record."""
-    loop, record = resolve_loop(ctx.spec, ctx.forward_loop, config.calib_samples, config.calib_steps)
+    """The input second moments of the named Linears over the step's calibration loop at the
+    deployment (a config with ``calib_samples`` and ``max_hessian_mb``), and the calibration record."""
+    loop, record = resolve_loop(ctx.spec, ctx.forward_loop, config.calib_samples, ctx.call_kwargs())
     accs = collect_hessians(
         ctx.pipeline, ctx.spec.transformer_attr, names, loop, config.max_hessian_mb * 2**20
     )

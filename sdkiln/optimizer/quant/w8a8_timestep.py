@@ -21,15 +21,10 @@ import torch
 from sdkiln.calibrate.loop import PromptLoop
 from sdkiln.configs import W8A8TimestepConfig
 from sdkiln.metrics import rel_l2
-from sdkiln.optimizer.calibrated_layers import (
-    calibrate,
-    calibrated_targets,
-    calibration_files,
-    manifest_entry,
-    replace,
-    require_every_step,
-)
-from sdkiln.optimizer.registry import StepContext, StepResult, register_transform
+from sdkiln.optimizer.layers import manifest_entry, replace, select_layers
+from sdkiln.optimizer.quant.calibration import calibrate, calibration_files, require_every_step
+from sdkiln.optimizer.registry import TransformContext, TransformResult, register_transform
+from sdkiln.runtime.quant import Ranges
 from sdkiln.runtime.quant.w8a8_timestep import W8A8TimestepLinear
 from sdkiln.runtime.steps import attach_step_tracker
 
@@ -46,21 +41,25 @@ def window_range(
 
 
 @register_transform(W8A8TimestepConfig)
-def apply_w8a8_timestep(ctx: StepContext, config: W8A8TimestepConfig) -> StepResult:
+def apply_w8a8_timestep(ctx: TransformContext, config: W8A8TimestepConfig) -> TransformResult:
     model = ctx.transformer
-    targets, kept = calibrated_targets(ctx, config.exclude)
-    observers, record = calibrate(ctx, [t.linear for t in targets], config.calib_samples, config.calib_steps)
+    targets, kept = select_layers(ctx, config.exclude)
+    if not targets:
+        raise ValueError("w8a8_timestep found no Linear layer to quantize inside the transformer blocks")
+    observers, record = calibrate(ctx, [t.linear for t in targets], config.calib_samples)
     by_layer = {t.layer: observers[t.linear] for t in targets}
-    num_steps = next(iter(by_layer.values())).num_steps
-    require_every_step(by_layer)
+    require_every_step(ctx, by_layer)
+    num_steps = ctx.num_inference_steps
 
-    search = PromptLoop(ctx.spec, config.calib_samples, steps=record["steps"], first=config.calib_samples)
+    search = PromptLoop(ctx.spec, config.calib_samples, ctx.call_kwargs(), first=config.calib_samples)
     reference = search.run(ctx.pipeline, capture_latents=True)
     quantized = []
     for target in targets:
         obs = observers[target.linear]
         lo, hi = window_range(obs.step_min, obs.step_max, config.step_window)
-        module = W8A8TimestepLinear.from_linear(model.get_submodule(target.linear), lo, hi, dynamic_steps=0)
+        module = W8A8TimestepLinear.from_linear(
+            model.get_submodule(target.linear), Ranges(step_min=lo, step_max=hi)
+        )
         replace(model, target, module)
         quantized.append((target, module))
     attach_step_tracker(ctx.pipeline, ctx.spec.transformer_attr)
@@ -74,7 +73,7 @@ def apply_w8a8_timestep(ctx: StepContext, config: W8A8TimestepConfig) -> StepRes
     for _, module in quantized:
         module.dynamic_steps = best
 
-    return StepResult(
+    return TransformResult(
         modules={t.layer: manifest_entry(t, m) for t, m in quantized},
         record={
             "quantized": [t.layer for t in targets],

@@ -1,4 +1,9 @@
-"""What ``sdkiln inspect`` reports: read from the verified package's files, never recomputed from memory."""
+"""What a package holds, in numbers: ``sdkiln inspect`` prints it, and a model card can quote it.
+
+Read from the verified package's files (the manifest, the recipe record of the offline job, the
+tensors' headers), never recomputed from memory. It lives with the writers because it reads what
+the offline job recorded; the runtime needs none of it.
+"""
 
 from __future__ import annotations
 
@@ -6,8 +11,10 @@ from typing import Any
 
 from safetensors import safe_open
 
-from sdkiln.runtime.cache.schedule import SCHEDULE_FILE, CacheSchedule
+from sdkiln.runtime.cache.restore import schedule_file
+from sdkiln.runtime.cache.schedule import CacheSchedule
 from sdkiln.runtime.package import TRANSFORMER_WEIGHTS, Package
+from sdkiln.runtime.restore import sections_of
 
 _ITEMSIZE = {"I8": 1, "U8": 1, "F16": 2, "BF16": 2, "F32": 4, "F64": 8, "I32": 4, "I64": 8, "F8_E4M3": 1}
 # A quantized weight stored as uint8 holds two int4 values a byte (W4A16, ``sdkiln.kernels.int4``).
@@ -46,8 +53,9 @@ def summarize(pkg: Package) -> dict[str, Any]:
     for info in modules.values():
         schemes[info["scheme"]] = schemes.get(info["scheme"], 0) + 1
     cache = None
-    if SCHEDULE_FILE in m["files"]:
-        schedule = CacheSchedule.from_dict(pkg.read_json(SCHEDULE_FILE))
+    where = schedule_file(m)
+    if where is not None:
+        schedule = CacheSchedule.from_dict(pkg.read_json(where), where)
         cache = {
             "num_steps": schedule.num_steps,
             "block_evaluations_ratio": schedule.block_evaluations_ratio(),
@@ -59,6 +67,7 @@ def summarize(pkg: Package) -> dict[str, Any]:
             | {"forced_on_held_out": schedule.expected.get("guard")},
         }
     return {
+        "sections": [s.name for s in sections_of(m)],
         "recipe": m["recipe"]["name"],
         "steps": [s["config"]["kind"] for s in m["recipe"]["steps"]],
         "layers_quantized": len(modules),

@@ -2,7 +2,7 @@
 
 A schedule is a list of actions, one per step; it decomposes into **segments**: a full step s
 followed by L steps of one reuse action a. What one segment does was measured in isolation (every
-other step full, ``cache_search.Search.measure_segments``):
+other step full, ``search.Search.measure_segments``):
 
 * ``local[seg]``: the relative L2 error of the latents right after the segment's last step;
 * ``gain[j]``: how an error present after step j has grown (or shrunk) by the final latents,
@@ -12,7 +12,7 @@ A segment's predicted contribution to the final error is ``local[seg] * gain[s +
 late count at full weight, errors that later full steps pull back count less. A schedule's predicted
 error is the sum over its segments (a conservative model for errors that add coherently). ``solve``
 finds the schedule of least predicted error within a block-evaluation budget; the prediction only
-ranks candidates: ``cache_search`` confirms every candidate end to end before it counts.
+ranks candidates: ``search`` confirms every candidate end to end before it counts.
 """
 
 from __future__ import annotations

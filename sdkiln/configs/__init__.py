@@ -1,0 +1,52 @@
+"""Every user-facing config: boring, versioned, JSON round-trippable (STYLE habit 2).
+
+* ``recipe``: the serializer and allow-list (``RECIPE_STEPS``), ``RecipeStep``, ``Deployment`` and
+  ``RecipeConfig``;
+* ``quant``: the quantization recipe steps; ``cache``: the cache recipe steps (sparse attention
+  will have its own module);
+* ``runtime``: load-time settings (``ParallelConfig``, ``CompileConfig``), which are not recipe steps.
+
+Adding a technique is one config class registered with ``register_step`` in its kind's module,
+plus its transform in ``sdkiln.optimizer``.
+"""
+
+from sdkiln.configs.cache import CacheAutoConfig
+from sdkiln.configs.quant import (
+    WEIGHT_ROUNDINGS,
+    FP8DynamicConfig,
+    QuantAutoConfig,
+    QuantStep,
+    SmoothQuantConfig,
+    W4A16Config,
+    W8A8DynamicConfig,
+    W8A8StaticConfig,
+    W8A8TimestepConfig,
+    W8A16Config,
+    WeightRounding,
+    quant_auto_schemes,
+)
+from sdkiln.configs.recipe import RECIPE_STEPS, Deployment, RecipeConfig, RecipeStep, register_step
+from sdkiln.configs.runtime import CompileConfig, ParallelConfig
+
+__all__ = [
+    "RECIPE_STEPS",
+    "WEIGHT_ROUNDINGS",
+    "CacheAutoConfig",
+    "CompileConfig",
+    "Deployment",
+    "FP8DynamicConfig",
+    "ParallelConfig",
+    "QuantAutoConfig",
+    "QuantStep",
+    "RecipeConfig",
+    "RecipeStep",
+    "SmoothQuantConfig",
+    "W4A16Config",
+    "W8A8DynamicConfig",
+    "W8A8StaticConfig",
+    "W8A8TimestepConfig",
+    "W8A16Config",
+    "WeightRounding",
+    "quant_auto_schemes",
+    "register_step",
+]

@@ -1,0 +1,64 @@
+"""Cache recipe steps: a static cache schedule searched on measured output error."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from sdkiln.configs.recipe import RecipeStep, register_step
+
+
+@register_step
+@dataclass
+class CacheAutoConfig(RecipeStep):
+    """A static cache schedule searched on measured output error (``sdkiln.optimizer.cache.search``),
+    for the recipe's deployment (its denoising steps, guidance and resolution).
+
+    The schedule runs ``actions`` (``skip``, ``partial:F:B``) for at most ``max_reuse`` steps in a row
+    after a full step; the first ``min_full`` steps and the last step are full. Candidates come from
+    ``budgets`` block-evaluation budgets in the search's dynamic program and from the fixed-interval family;
+    each is confirmed end to end on ``calib_samples`` calibration samples, then up to ``refine`` more
+    confirmations (``refine_tries`` neighbours per round) refine the cheapest one meeting the floor.
+    The chosen schedule is the cheapest confirmed one whose mean PSNR against the uncached model on
+    the calibration samples is at least ``psnr_floor_db`` and whose 5th percentile is at least
+    ``psnr_p5_floor_db``.
+    """
+
+    kind: ClassVar[str] = "cache_auto"
+    order: ClassVar[int] = 50
+    transform_module: ClassVar[str] = "sdkiln.optimizer.cache.search"
+    actions: tuple[str, ...] = ("skip", "skip~", "partial:1:1")
+    max_reuse: int = 4
+    min_full: int = 1
+    psnr_floor_db: float = 30.0
+    psnr_p5_floor_db: float = 25.0
+    calib_samples: int = 4
+    eval_samples: int = 8
+    budgets: int = 16
+    refine: int = 12
+    refine_tries: int = 3
+    guard: bool = False
+    """Ship a guard (``runtime.cache.guard``): a reuse step whose stack input changed more than
+    ``guard_quantile`` of the calibration samples' change at that step times ``guard_margin`` runs full."""
+    guard_quantile: float = 1.0
+    guard_margin: float = 1.5
+
+    def __post_init__(self) -> None:
+        from sdkiln.runtime.cache.schedule import Action  # the runtime owns the action grammar
+
+        self.actions = tuple(str(a) for a in self.actions)
+        if not self.actions:
+            raise ValueError("cache_auto needs at least one reuse action (skip, partial:F:B)")
+        for a in self.actions:
+            if Action.parse(a).kind == "full":
+                raise ValueError(
+                    "cache_auto actions are the reuse actions (skip, partial:F:B); full is implied"
+                )
+        if self.max_reuse < 1 or self.min_full < 1:
+            raise ValueError("max_reuse and min_full must be >= 1")
+        if self.calib_samples < 1 or self.eval_samples < 1:
+            raise ValueError("calib_samples and eval_samples must be >= 1")
+        if self.budgets < 1 or self.refine < 0 or self.refine_tries < 1:
+            raise ValueError("need budgets >= 1, refine >= 0 and refine_tries >= 1")
+        if not 0.0 < self.guard_quantile <= 1.0 or self.guard_margin < 1.0:
+            raise ValueError("need 0 < guard_quantile <= 1 and guard_margin >= 1")

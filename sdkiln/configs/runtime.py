@@ -1,0 +1,94 @@
+"""Load-time settings: how ``sdkiln.load`` runs a package on this machine. They are not recipe steps
+(nothing about them is decided offline or stored in a package) and go to ``load(...)``."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from sdkiln.errors import SdkilnError
+
+
+def _from_dict(cls, data: Any):
+    if not isinstance(data, dict):
+        raise SdkilnError(f"{cls.__name__} must be an object, got {data!r}")
+    if data.get("version", cls.version) != cls.version:
+        raise SdkilnError(f"{cls.__name__} version {data.get('version')!r} is not supported")
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(data) - names - {"version"}
+    if unknown:
+        raise SdkilnError(f"{cls.__name__} has unknown fields: {', '.join(sorted(unknown))}")
+    return cls(**{k: v for k, v in data.items() if k in names})
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Degrees of the device mesh a package runs on: classifier-free-guidance branches across
+    ``cfg`` ranks, the sequence across ``ulysses`` x ``ring`` ranks; they multiply to the world size."""
+
+    cfg: int = 1
+    ulysses: int = 1
+    ring: int = 1
+    version: ClassVar[int] = 1
+
+    def __post_init__(self) -> None:
+        for name in ("cfg", "ulysses", "ring"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise SdkilnError(f"ParallelConfig.{name} must be a positive integer, got {value!r}")
+        if self.cfg > 2:
+            raise SdkilnError(f"ParallelConfig.cfg is 1 or 2 (the guidance branches), got {self.cfg}")
+
+    @property
+    def world_size(self) -> int:
+        return self.cfg * self.ulysses * self.ring
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"version": self.version} | dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Any) -> ParallelConfig:
+        return _from_dict(cls, data)
+
+
+COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
+@dataclass(frozen=True)
+class CompileConfig:
+    """``torch.compile`` of the loaded transformer: ``backend``, ``mode``, ``fullgraph`` and
+    ``dynamic`` as torch.compile takes them. The runtime's hooks decide outside the compiled region,
+    so a package compiles without graph breaks (``fullgraph=True`` holds that to account)."""
+
+    backend: str = "inductor"
+    mode: str | None = None
+    fullgraph: bool = False
+    dynamic: bool | None = None
+    version: ClassVar[int] = 1
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.backend, str) or not self.backend:
+            raise SdkilnError(
+                f"CompileConfig.backend must name a torch.compile backend, got {self.backend!r}"
+            )
+        if self.mode not in COMPILE_MODES:
+            raise SdkilnError(f"CompileConfig.mode must be one of {COMPILE_MODES}, got {self.mode!r}")
+        if not isinstance(self.fullgraph, bool) or self.dynamic not in (None, True, False):
+            raise SdkilnError("CompileConfig.fullgraph is a bool and dynamic a bool or None")
+
+    def kwargs(self) -> dict[str, Any]:
+        """The keyword arguments of ``torch.compile``."""
+        return {
+            "backend": self.backend,
+            "mode": self.mode,
+            "fullgraph": self.fullgraph,
+            "dynamic": self.dynamic,
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"version": self.version} | dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Any) -> CompileConfig:
+        return _from_dict(cls, data)

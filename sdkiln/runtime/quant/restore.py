@@ -1,0 +1,68 @@
+"""The ``modules`` section: the quantized layers a manifest names, swapped in before the weights load.
+
+``manifest["modules"]`` maps a Linear's name to ``{"scheme": ..., **params}`` (and ``"smooth":
+true`` when SmoothQuant left it an input multiplier). At ``build`` each named ``nn.Linear`` of the
+meta transformer is replaced by its scheme's runtime class built empty on the meta device, so the
+safetensors load into it with ``assign=True``; at ``attach``, a transformer with per-step modules
+gets the pipeline's step tracker.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from sdkiln.errors import PackageError
+from sdkiln.runtime.quant import quant_module, scheme_classes
+from sdkiln.runtime.quant.smooth import SmoothedLinear
+from sdkiln.runtime.restore import RestoreContext, Section
+from sdkiln.runtime.steps import attach_step_tracker, needs_step_tracker
+
+
+def swap_modules(ctx: RestoreContext) -> None:
+    model = ctx.transformer
+    for name, info in ctx.manifest["modules"].items():
+        params = dict(info) if isinstance(info, dict) else {}
+        scheme = params.pop("scheme", None)
+        if scheme not in scheme_classes():
+            raise PackageError(
+                f"manifest.json: layer {name!r} has unknown scheme {scheme!r}; this sdkiln runs "
+                f"{sorted(scheme_classes())}"
+            )
+        parent_name, _, leaf = name.rpartition(".")
+        try:
+            parent = model.get_submodule(parent_name)
+            linear = getattr(parent, leaf)
+        except AttributeError:
+            raise PackageError(f"manifest.json: layer {name!r} does not exist in the transformer") from None
+        if not isinstance(linear, nn.Linear):
+            raise PackageError(f"manifest.json: layer {name!r} is a {type(linear).__name__}, not a Linear")
+        smooth = params.pop("smooth", False)
+        if not isinstance(smooth, bool):
+            raise PackageError(f"manifest.json: layer {name!r} has a non-boolean 'smooth' ({smooth!r})")
+        try:
+            module = quant_module(scheme)(
+                linear.in_features,
+                linear.out_features,
+                linear.bias is not None,
+                linear.weight.dtype,
+                "meta",
+                **params,
+            )
+        except (TypeError, ValueError) as exc:
+            raise PackageError(
+                f"manifest.json: layer {name!r} cannot be built as {scheme} with {params}: {exc}"
+            ) from None
+        setattr(parent, leaf, SmoothedLinear(module, linear.in_features, "meta") if smooth else module)
+
+
+def attach_step_tracking(ctx: RestoreContext) -> None:
+    if needs_step_tracker(ctx.transformer):
+        attach_step_tracker(ctx.pipeline, ctx.transformer_attr)
+
+
+SECTION = Section(
+    name="modules",
+    present=lambda manifest: bool(manifest.get("modules")),
+    build=swap_modules,
+    attach=attach_step_tracking,
+)

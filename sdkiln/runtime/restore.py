@@ -1,0 +1,90 @@
+"""Restore a package section by section: one handler per section, registered by name (ModelOpt's
+restore per saved mode; STYLE habit 15).
+
+A package's manifest holds the core fields every package has (``CORE_FIELDS``) and one top-level
+entry per **section** it carries: ``modules`` (the quantized layers), ``cache_schedule``, and
+later ones (``sparse_attention``, a parallel layout, compile settings). Each section has a
+``Section`` handler in its own module, listed in ``SECTION_MODULES``; a manifest entry that no
+handler claims is refused, so an older sdkiln never runs a newer package without a part of it.
+
+``sdkiln.load`` runs every section's handler in two of its stages (``runtime/loader.py`` has the
+whole order): ``build`` on the transformer built on the meta device, before its weights are loaded
+(swap modules), and ``attach`` on the assembled pipeline (hooks, schedules, step trackers).
+Sections run in ``SECTION_MODULES`` order within a stage.
+
+Adding a section is one module with a ``SECTION`` and one line in ``SECTION_MODULES``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from sdkiln.errors import PackageError
+from sdkiln.runtime.package import MANIFEST, Package
+
+CORE_FIELDS = ("format", "schema_version", "sdkiln_version", "created", "model", "call", "recipe", "files")
+SECTION_MODULES = ("sdkiln.runtime.quant.restore", "sdkiln.runtime.cache.restore")
+
+
+@dataclass
+class RestoreContext:
+    """What the handlers work on; the loader fills it in as it goes."""
+
+    package: Package
+    transformer: torch.nn.Module
+    pipeline: Any = None
+    notes: dict[str, Any] = field(default_factory=dict)
+    """What a handler wants to tell later stages or the caller (e.g. the attached cache runner)."""
+
+    @property
+    def manifest(self) -> dict[str, Any]:
+        return self.package.manifest
+
+    @property
+    def transformer_attr(self) -> str:
+        return self.manifest["model"]["transformer_attr"]
+
+
+@dataclass(frozen=True)
+class Section:
+    name: str
+    """The manifest entry the section is stored under."""
+    present: Callable[[dict[str, Any]], bool]
+    """Whether a manifest carries the section (a schema-1 package may carry it without the entry)."""
+    build: Callable[[RestoreContext], None] | None = None
+    attach: Callable[[RestoreContext], None] | None = None
+
+
+def _load_sections() -> dict[str, Section]:
+    sections = {}
+    for module in SECTION_MODULES:
+        section = importlib.import_module(module).SECTION
+        if section.name in sections or section.name in CORE_FIELDS:
+            raise ValueError(f"package section {section.name!r} is registered twice")
+        sections[section.name] = section
+    return sections
+
+
+def sections_of(manifest: dict[str, Any]) -> list[Section]:
+    """The sections a manifest carries, in restore order; PackageError for an entry no handler claims."""
+    known = _load_sections()
+    unknown = sorted(k for k in manifest if k not in CORE_FIELDS and k not in known)
+    if unknown:
+        raise PackageError(
+            f"{MANIFEST}: unknown section {unknown[0]!r}; this sdkiln restores "
+            f"{', '.join(known)}: the package needs a newer sdkiln"
+        )
+    return [s for s in known.values() if s.present(manifest)]
+
+
+def run_stage(stage: str, sections: list[Section], ctx: RestoreContext) -> None:
+    """Run every section's handler for ``stage`` ("build" or "attach")."""
+    for section in sections:
+        handler = getattr(section, stage)
+        if handler is not None:
+            handler(ctx)

@@ -1,0 +1,93 @@
+"""The loader restores a package section by section, refuses sections it does not know, and takes
+its load-time options (parallel, compile) in the documented order."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+import sdkiln
+from sdkiln.configs import CompileConfig, ParallelConfig
+from sdkiln.errors import PackageError, SdkilnError
+from sdkiln.runtime import restore
+from sdkiln.runtime.package import open_package
+from sdkiln.runtime.quant import QuantLinear
+
+FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "schema1_flux_tiny" / "package"
+
+
+@pytest.fixture
+def package(tmp_path) -> Path:
+    """A writable copy of the schema-1 fixture package (every scheme and a cache schedule)."""
+    return Path(shutil.copytree(FIXTURE, tmp_path / "pkg"))
+
+
+def rewrite_manifest(root: Path, edit) -> None:
+    manifest = json.loads((root / "manifest.json").read_text())
+    edit(manifest)
+    (root / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_sections_of_a_schema1_package_and_their_order():
+    manifest = open_package(FIXTURE).manifest
+    assert "cache_schedule" not in manifest  # written before sections were named: found by its file
+    assert [s.name for s in restore.sections_of(manifest)] == ["modules", "cache_schedule"]
+    assert [s.name for s in restore.sections_of(manifest | {"modules": {}})] == ["cache_schedule"]
+
+
+def test_an_unknown_section_is_refused_before_anything_loads(package):
+    rewrite_manifest(
+        package, lambda m: m.update(sparse_attention={"file": "attention/sparse_attention.json"})
+    )
+    with pytest.raises(
+        PackageError, match="unknown section 'sparse_attention'; this sdkiln restores modules"
+    ):
+        sdkiln.load(package, device="cpu")
+
+
+def test_a_named_cache_section_pointing_nowhere_is_refused(package):
+    rewrite_manifest(package, lambda m: m.update(cache_schedule={"file": "schedules/missing.json"}))
+    with pytest.raises(PackageError, match="not listed in manifest.json"):
+        sdkiln.load(package, device="cpu")
+    rewrite_manifest(package, lambda m: m.update(cache_schedule="schedules/cache_schedule.json"))
+    with pytest.raises(PackageError, match="cache_schedule must be an object with a 'file'"):
+        sdkiln.load(package, device="cpu")
+
+
+def test_sections_restore_in_their_stages(package):
+    """build swaps modules on the meta transformer; attach hooks the assembled pipeline."""
+    pipe = sdkiln.load(package, device="cpu")
+    quantized = [n for n, m in pipe.transformer.named_modules() if isinstance(m, QuantLinear)]
+    assert len(quantized) == len(pipe.sdkiln_manifest["modules"])
+    assert pipe.transformer._diffusers_hook.get_hook("sdkiln_cache") is not None
+    assert not any(t.is_meta for t in pipe.transformer.state_dict().values())
+
+
+def test_parallel_beyond_one_device_is_refused_and_one_device_is_plain(package):
+    with pytest.raises(SdkilnError, match="runs a package on one device"):
+        sdkiln.load(package, device="cpu", parallel=ParallelConfig(ulysses=2))
+    pipe = sdkiln.load(package, device="cpu", parallel=ParallelConfig())
+    assert isinstance(pipe.transformer, torch.nn.Module)
+
+
+def test_compile_wraps_the_transformer_lazily(package):
+    pipe = sdkiln.load(package, device="cpu", compile=CompileConfig(backend="eager"))
+    assert isinstance(pipe.transformer, torch._dynamo.eval_frame.OptimizedModule)
+    assert pipe.transformer._orig_mod._diffusers_hook.get_hook("sdkiln_cache") is not None
+
+
+def test_load_time_configs_round_trip_and_validate():
+    for config in (ParallelConfig(cfg=2, ulysses=2), CompileConfig(mode="max-autotune", fullgraph=True)):
+        again = type(config).from_dict(json.loads(json.dumps(config.to_dict())))
+        assert again == config
+    assert ParallelConfig(cfg=2, ulysses=2, ring=2).world_size == 8
+    with pytest.raises(SdkilnError, match="cfg is 1 or 2"):
+        ParallelConfig(cfg=3)
+    with pytest.raises(SdkilnError, match="positive integer"):
+        ParallelConfig(ring=0)
+    with pytest.raises(SdkilnError, match="mode must be one of"):
+        CompileConfig(mode="fast")
+    with pytest.raises(SdkilnError, match="unknown fields: speed"):
+        CompileConfig.from_dict({"speed": 1})
