@@ -164,7 +164,9 @@ def _run_ours(module: nn.Module, inverse_scale: torch.Tensor | None, num_steps: 
     stepped = [m for m in module.modules() if getattr(m, "needs_step", False)]
     saved = [m.step_tracker for m in stepped]
     for m in stepped:
-        m.step_tracker = SimpleNamespace(step=step, num_steps=num_steps)  # what StepTracker publishes
+        m.step_tracker = SimpleNamespace(
+            step=step, num_steps=num_steps
+        )  # what DenoisingStepTracker publishes
     try:
         return module(x)
     finally:

@@ -29,7 +29,7 @@ from PIL import Image, ImageDraw
 
 from sdkiln.calibrate.trajectories import Trajectories
 from sdkiln.runtime.cache.schedule import BlockLayout
-from sdkiln.runtime.steps import attach_step_tracker, detach_step_tracker, step_tracker
+from sdkiln.runtime.denoising import attach_step_tracker, detach_step_tracker, step_tracker
 
 PROFILE_FILE = "calibration/cache_profile.json"
 HEATMAP_FILE = "calibration/cache_profile.png"

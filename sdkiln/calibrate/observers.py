@@ -7,7 +7,7 @@ loop runs. Per layer it tracks
 * ``channel_min`` / ``channel_max`` [K]: per input channel over every token, step and prompt; the
   per-tensor ``min``/``max`` and the per-channel ``channel_absmax`` follow from them;
 * ``step_min`` / ``step_max`` [T] and ``step_channel_absmax`` [T, K]: the same per denoising step,
-  the step being the real step index from ``sdkiln.runtime.steps`` (both CFG branches of a step
+  the step being the real step index from ``sdkiln.runtime.denoising`` (both CFG branches of a step
   land in the same row). Steps the loop never ran keep ``+inf`` / ``-inf`` / 0.
 
 ``observing`` attaches removable forward pre-hooks (and a step tracker, if the transformer has
@@ -24,7 +24,12 @@ import torch
 from torch import Tensor
 
 from sdkiln.errors import StepError
-from sdkiln.runtime.steps import StepTracker, attach_step_tracker, detach_step_tracker, step_tracker
+from sdkiln.runtime.denoising import (
+    DenoisingStepTracker,
+    attach_step_tracker,
+    detach_step_tracker,
+    step_tracker,
+)
 
 InputCallback = Callable[[Tensor, int, int], None]
 """Called with (the layer's input, the denoising step, the run's step count)."""
@@ -104,7 +109,7 @@ class InputObserver:
         return {k: v.detach().cpu().contiguous().clone() for k, v in tensors.items()}
 
 
-def _pre_hook(name: str, callback: InputCallback, tracker: StepTracker):
+def _pre_hook(name: str, callback: InputCallback, tracker: DenoisingStepTracker):
     def hook(module, args):
         if tracker.step is None:
             raise StepError(f"{name} ran outside the transformer's forward, so its denoising step is unknown")
@@ -119,7 +124,7 @@ def _pre_hook(name: str, callback: InputCallback, tracker: StepTracker):
 @contextmanager
 def observing(
     pipeline: Any, transformer_attr: str, callbacks: dict[str, InputCallback]
-) -> Iterator[StepTracker]:
+) -> Iterator[DenoisingStepTracker]:
     """Hook ``callbacks[name]`` onto the input of each named transformer submodule while the block runs."""
     transformer = getattr(pipeline, transformer_attr)
     tracker = step_tracker(transformer)

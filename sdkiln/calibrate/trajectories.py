@@ -22,7 +22,7 @@ from diffusers.models.modeling_outputs import Transformer2DModelOutput
 
 from sdkiln.model_zoo import ModelSpec
 from sdkiln.runtime.cache import reset_cache
-from sdkiln.runtime.steps import attach_step_tracker, detach_step_tracker, step_tracker
+from sdkiln.runtime.denoising import attach_step_tracker, detach_step_tracker, step_tracker
 
 STUB_HOOK = "sdkiln_replay_stub"
 

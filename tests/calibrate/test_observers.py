@@ -11,7 +11,7 @@ from sdkiln.calibrate.loop import PromptLoop, prompts_sha256, resolve_loop, spre
 from sdkiln.calibrate.observers import InputObserver, collect_input_stats, observing
 from sdkiln.errors import StepError
 from sdkiln.model_zoo import get_spec
-from sdkiln.runtime.steps import step_tracker
+from sdkiln.runtime.denoising import step_tracker
 
 LAYERS = [
     "transformer_blocks.0.attn.to_q",

@@ -15,11 +15,11 @@ from sdkiln.errors import RecipeError, StepError
 from sdkiln.model_zoo import get_spec
 from sdkiln.optimizer.evaluate import generate
 from sdkiln.optimizer.quant.w8a8_timestep import window_range
+from sdkiln.runtime.denoising import step_tracker
 from sdkiln.runtime.package import open_package
 from sdkiln.runtime.quant.smooth import SmoothedLinear
 from sdkiln.runtime.quant.w8a8_static import W8A8StaticLinear, activation_params
 from sdkiln.runtime.quant.w8a8_timestep import W8A8TimestepLinear
-from sdkiln.runtime.steps import step_tracker
 
 WEIGHTS = "transformer/diffusion_pytorch_model.safetensors"
 SAMPLES = 1

@@ -9,7 +9,7 @@ OFFLINE = ("sdkiln.optimizer", "sdkiln.calibrate", "sdkiln.export", "sdkiln.spar
 def test_loading_and_caching_import_nothing_offline():
     code = (
         "import sys\n"
-        "import sdkiln.runtime.loader, sdkiln.runtime.cache, sdkiln.runtime.steps, sdkiln.runtime.quant\n"
+        "import sdkiln.runtime.loader, sdkiln.runtime.cache, sdkiln.runtime.denoising, sdkiln.runtime.quant\n"
         f"bad = sorted(m for m in sys.modules if m.startswith({OFFLINE!r}))\n"
         "print(bad)\n"
         "sys.exit(1 if bad else 0)\n"

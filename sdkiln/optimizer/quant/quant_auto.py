@@ -41,8 +41,8 @@ from sdkiln.metrics import ratio_db
 from sdkiln.optimizer.layers import manifest_entry, replace, select_layers
 from sdkiln.optimizer.quant.calibration import calibrate, calibration_files, require_every_step
 from sdkiln.optimizer.registry import TransformContext, TransformResult, register_transform
+from sdkiln.runtime.denoising import attach_step_tracker
 from sdkiln.runtime.quant import by_recipe_kind
-from sdkiln.runtime.steps import attach_step_tracker
 
 FLOAT = "float"
 SQNR_CAP_DB = 100.0

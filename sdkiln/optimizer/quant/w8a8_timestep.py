@@ -10,7 +10,7 @@
    smaller k on a tie (static steps are the cheaper ones). These samples follow the default loop's
    (other seeds), so the error includes inputs that the calibrated ranges do not cover.
 
-The in-memory pipeline gets a step tracker (``sdkiln.runtime.steps``), as ``sdkiln.load`` attaches
+The in-memory pipeline gets a step tracker (``sdkiln.runtime.denoising``), as ``sdkiln.load`` attaches
 one to the loaded package, so both run the same rows at the same steps.
 """
 
@@ -24,9 +24,9 @@ from sdkiln.metrics import rel_l2
 from sdkiln.optimizer.layers import manifest_entry, replace, select_layers
 from sdkiln.optimizer.quant.calibration import calibrate, calibration_files, require_every_step
 from sdkiln.optimizer.registry import TransformContext, TransformResult, register_transform
+from sdkiln.runtime.denoising import attach_step_tracker
 from sdkiln.runtime.quant import Ranges
 from sdkiln.runtime.quant.w8a8_timestep import W8A8TimestepLinear
-from sdkiln.runtime.steps import attach_step_tracker
 
 
 def window_range(

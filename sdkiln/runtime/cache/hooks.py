@@ -1,15 +1,22 @@
 """Run a cache schedule: named, removable hooks on the unmodified diffusers transformer blocks.
 
 ``attach_cache(pipeline, schedule)`` puts one hook on every block of the schedule's block layout
-(``sdkiln_cache_block``) and one on the transformer (``sdkiln_cache``). Before each transformer
-call the model hook reads the denoising step from the pipeline's scheduler (``StepTracker``, never a
-call counter), maps the schedule to the run's sigmas at a run's first step, and picks the action of
-the step for the call's branch. Each block hook then either runs its block or, for a block the
-action does not compute, returns what the cached residual gives:
+(``sdkiln_cache_block``), one on the transformer (``sdkiln_cache``, which keeps one state per
+``cache_context``), and a forward pre-hook and a forward hook on the transformer. Each block hook
+either runs its block or, for a block the call's action does not compute, returns what the cached
+residual gives:
 
 * the first block of the reused span returns its input plus the span's residual (``out - in``
   recorded at the last ``full`` step, or extrapolated from the last two to first order);
 * the other reused blocks return their input unchanged, in the block's output order.
+
+**Decisions are made per call, outside the compiled region.** The forward pre-hook reads the
+denoising step from the pipeline's scheduler (``DenoisingStepTracker``, never a call counter),
+maps the schedule to the run's sigmas at a run's first step, picks the action of the step for the
+call's branch, counts block evaluations and computes an extrapolation weight (a 0-dim tensor). A
+``torch.compile``d transformer runs torch's module hooks outside its graph, so the compiled region
+sees only the chosen action (a few distinct values, one graph each), the cached tensors and the
+weight: no step index, no host sync, no graph break. Block signatures are read once, at attach.
 
 Branches: a pipeline that wraps its calls in ``transformer.cache_context(name)`` (diffusers'
 FLUX, Wan, ... pipelines: ``"cond"``/``"uncond"``) gets one state per context name. Without a
@@ -17,10 +24,10 @@ context, the calls of one step are told apart by their order within the step (``
 the first, ``"call1"``... after): a pipeline that batches both CFG branches into one call keeps
 each sample's residual in its own batch row, so the branches never mix either way.
 
-Buffers are freed after the last step of a run and when a run starts again at step 0. A static
-schedule needs no host sync: every decision is a Python lookup by the step index. A schedule with a
-guard (``guard.py``) checks the stack input's change at each reuse step and runs the step full when
-it is unusual: one host sync per reuse step, the decision agreed across ranks.
+Buffers are freed after the last step of a run and when a run starts again at step 0. A schedule
+with a guard (``guard.py``) checks the stack input's change at each reuse step and runs the step
+full when it is unusual: one host sync per reuse step, the decision agreed across ranks, taken in
+a ``torch.compiler.disable``d function (one graph break per guarded reuse step under compile).
 """
 
 from __future__ import annotations
@@ -37,7 +44,12 @@ from torch import nn
 from sdkiln.errors import StepError
 from sdkiln.runtime.cache.guard import Guard, agree, input_change
 from sdkiln.runtime.cache.schedule import BATCHED, FULL, Action, CacheSchedule
-from sdkiln.runtime.steps import attach_step_tracker, detach_step_tracker, needs_step_tracker, step_tracker
+from sdkiln.runtime.denoising import (
+    attach_step_tracker,
+    detach_step_tracker,
+    needs_step_tracker,
+    step_tracker,
+)
 
 MODEL_HOOK = "sdkiln_cache"
 BLOCK_HOOK = "sdkiln_cache_block"
@@ -46,17 +58,27 @@ Named = dict[str, torch.Tensor]
 
 
 class BranchState(BaseState):
-    """The cached residuals of one branch: span -> up to two ``(step, residual)`` from full steps."""
+    """The cached residuals of one branch: span -> the residuals of up to the last two full steps."""
 
     def __init__(self) -> None:
         self.reset()
 
     def reset(self, *args, **kwargs) -> None:
         self.step: int | None = None
+        self.full_steps: list[int] = []
+        """The last two full steps of this run, oldest first: the residuals' steps."""
         self.span_inputs: dict[tuple[int, int], Named] = {}
-        self.residuals: dict[tuple[int, int], list[tuple[int, Named]]] = {}
+        self.residuals: dict[tuple[int, int], list[Named]] = {}
         self.guard_input: torch.Tensor | None = None
         """The stack input at the last full step, which the guard measures change against."""
+
+
+def _parameter_names(forward) -> tuple[str, ...]:
+    return tuple(
+        p.name
+        for p in inspect.signature(forward).parameters.values()
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    )
 
 
 class CacheRunner:
@@ -94,10 +116,14 @@ class CacheRunner:
         self.transformer_calls = 0
         self.owns_tracker = False
         """attach_cache attached the step tracker, so detach_cache removes it (unless a module needs it)."""
+        self._handles: list[Any] = []
         self._action: Action = FULL
         self._state: BranchState | None = None
         self._step = 0
         self._branch = BATCHED
+        self._weight = torch.zeros((), dtype=torch.float64)
+        """The extrapolation weight of the current call's reuse action, a tensor so a compiled graph
+        takes it as an input rather than guarding on its value."""
 
     def _spans(self, schedule: CacheSchedule) -> set[tuple[int, int]]:
         spans = {
@@ -118,7 +144,7 @@ class CacheRunner:
         self.transformer_calls = 0
         self.guard_checks = self.guard_forced = 0
 
-    # --- one transformer call -------------------------------------------------------------------
+    # --- one transformer call: outside any compiled region ------------------------------------
 
     def begin_call(self, step: int, num_steps: int, state: BranchState, branch: str) -> None:
         if step == 0 or state.step is None or step < state.step:
@@ -127,8 +153,24 @@ class CacheRunner:
             self._run_guard = self._guard_for_run()
         state.step = step
         self._state, self._step, self._branch = state, step, branch
-        self._action = self._run_schedule.action(step, branch)
+        action = self._action = self._run_schedule.action(step, branch)
+        if action == FULL:
+            state.full_steps = [*state.full_steps[-1:], step]
+        elif not state.full_steps:
+            start, end = action.cached_span(self.num_blocks)
+            raise StepError(
+                f"cache schedule step {step} reuses blocks {start}..{end - 1}, but no full step of this run "
+                "recorded them (a run must start at step 0)"
+            )
+        elif action.extrapolate:
+            if len(state.full_steps) < 2:
+                raise StepError(
+                    f"cache schedule step {step} extrapolates but only one full step ran before it"
+                )
+            step0, step1 = state.full_steps
+            self._weight = torch.tensor((step - step1) / (step1 - step0), dtype=torch.float64)
         self.transformer_calls += 1
+        self.block_evaluations += action.block_evaluations(self.num_blocks)
 
     def end_call(self, num_steps: int) -> None:
         if self._step == num_steps - 1 and self._state is not None:
@@ -158,49 +200,53 @@ class CacheRunner:
             return self.guard
         return Guard.from_dict(self._run_schedule.guards)
 
-    def _guard_forces(self, stream: torch.Tensor, reference: torch.Tensor) -> bool:
+    @torch.compiler.disable
+    def _guard_action(self, stream: torch.Tensor, action: Action, state: BranchState) -> Action:
+        """The guard at the stack input: a reuse step whose input changed unusually runs full (and
+        refreshes the caches). It reads the device, so it runs outside any compiled graph."""
         guard = self._run_guard
-        if guard.record:
-            guard.observe(self._step, self._branch, input_change(stream, reference))
-            return False
-        limit = guard.threshold(self._step, self._branch)
-        self.guard_checks += limit is not None
-        # every rank reaches this at every reuse step (the actions are shared), so all join the reduction
-        force = agree(
-            limit is not None and bool(input_change(stream, reference).max() > limit), stream.device
-        )
-        self.guard_forced += force
-        return force
+        if action != FULL:
+            if guard.record:
+                guard.observe(self._step, self._branch, input_change(stream, state.guard_input))
+            else:
+                limit = guard.threshold(self._step, self._branch)
+                self.guard_checks += limit is not None
+                # every rank reaches this at every reuse step (the actions are shared), so all join the reduction
+                force = agree(
+                    limit is not None and bool(input_change(stream, state.guard_input).max() > limit),
+                    stream.device,
+                )
+                if force:
+                    self.guard_forced += 1
+                    self.block_evaluations += self.num_blocks - action.block_evaluations(self.num_blocks)
+                    state.full_steps = [*state.full_steps[-1:], self._step]
+                    action = self._action = FULL
+        if action == FULL:
+            state.guard_input = stream.detach().clone()
+        return action
 
-    # --- one block ------------------------------------------------------------------------------
+    # --- one block: what a compiled graph traces ----------------------------------------------
 
-    def block_forward(self, position: int, layout, forward, args, kwargs):
+    def block_forward(self, position: int, layout, names: tuple[str, ...], forward, args, kwargs):
         action, state = self._action, self._state
         if state is None:  # called outside a transformer forward (a block on its own)
             return forward(*args, **kwargs)
-        inputs = _named_inputs(forward, layout.inputs, args, kwargs)
+        inputs = _named_inputs(names, layout.inputs, args, kwargs)
         if position == 0 and self._run_guard is not None:
-            stream = inputs[layout.inputs[0]]
-            if action != FULL and self._guard_forces(stream, state.guard_input):
-                action = self._action = FULL  # an unusual input: this step computes and refreshes the caches
-            if action == FULL:
-                state.guard_input = stream.detach().clone()
+            action = self._guard_action(inputs[layout.inputs[0]], action, state)
         if action.computes(position, self.num_blocks):
             if action == FULL:
                 for span in self.spans:
                     if span[0] == position:
                         state.span_inputs[span] = inputs
             output = forward(*args, **kwargs)
-            self.block_evaluations += 1
             if action == FULL:
                 outputs = _named_outputs(output, layout.outputs)
                 for span in self.spans:
                     if span[1] - 1 == position:
                         before = state.span_inputs.pop(span)
                         residual = {k: _difference(outputs[k], before[k]) for k in before}
-                        state.residuals[span] = (state.residuals.get(span, []) + [(self._step, residual)])[
-                            -2:
-                        ]
+                        state.residuals[span] = [*state.residuals.get(span, [])[-1:], residual]
             return output
         start, end = action.cached_span(self.num_blocks)
         if position == start:
@@ -210,21 +256,11 @@ class CacheRunner:
         return values if len(values) > 1 else values[0]
 
     def _residual(self, span: tuple[int, int], action: Action, state: BranchState) -> Named:
-        history = state.residuals.get(span)
-        if not history:
-            raise StepError(
-                f"cache schedule step {self._step} reuses blocks {span[0]}..{span[1] - 1}, but no full step of "
-                "this run recorded them (a run must start at step 0)"
-            )
-        step1, r1 = history[-1]
+        history = state.residuals[span]
+        r1 = history[-1]
         if not action.extrapolate:
             return r1
-        if len(history) < 2:
-            raise StepError(
-                f"cache schedule step {self._step} extrapolates but only one full step ran before it"
-            )
-        step0, r0 = history[-2]
-        w = (self._step - step1) / (step1 - step0)
+        r0, w = history[-2], self._weight
         return {k: None if r1[k] is None else r1[k] + (r1[k] - r0[k]) * w for k in r1}
 
 
@@ -234,17 +270,8 @@ def _difference(out: torch.Tensor | None, before: torch.Tensor) -> torch.Tensor 
     return None if out is None else out - before
 
 
-def _parameter_names(forward) -> list[str]:
-    return [
-        p.name
-        for p in inspect.signature(forward).parameters.values()
-        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-    ]
-
-
-def _named_inputs(forward, names: tuple[str, ...], args, kwargs) -> Named:
+def _named_inputs(positional: tuple[str, ...], names: tuple[str, ...], args, kwargs) -> Named:
     out = {}
-    positional = _parameter_names(forward) if args else []
     for name in names:
         if name in kwargs:
             out[name] = kwargs[name]
@@ -263,6 +290,10 @@ def _named_outputs(output, names: tuple[str, ...]) -> Named:
 
 
 class _ModelHook(ModelHook):
+    """Keeps one ``BranchState`` per ``cache_context`` name (diffusers sets the context on every
+    stateful hook's manager) or per call order within a step; the decisions are the runner's, in
+    the transformer's forward pre-hook."""
+
     _is_stateful = True
 
     def __init__(self, runner: CacheRunner, tracker):
@@ -270,12 +301,13 @@ class _ModelHook(ModelHook):
         self.runner = runner
         self.tracker = tracker
         self.contexts = StateManager(BranchState)
-        """Per ``cache_context`` name; diffusers sets the context on every stateful hook's manager."""
         self.plain: dict[str, BranchState] = {}
         self._last_step: int | None = None
         self._calls_at_step = 0
 
-    def pre_forward(self, module, *args, **kwargs):
+    @torch.compiler.disable
+    def before_call(self, module, args) -> None:
+        """The transformer's forward pre-hook: every decision of the call, outside any compiled graph."""
         self.tracker.update()
         step, num_steps = self.tracker.step, self.tracker.num_steps
         if self.contexts._context is not None:
@@ -287,11 +319,10 @@ class _ModelHook(ModelHook):
             state = self.plain.setdefault(branch, BranchState())
         self._last_step = step
         self.runner.begin_call(step, num_steps, state, branch)
-        return args, kwargs
 
-    def post_forward(self, module, output):
+    @torch.compiler.disable
+    def after_call(self, module, args, output) -> None:
         self.runner.end_call(self.tracker.num_steps)
-        return output
 
     def reset_state(self, module):
         self.contexts.reset()
@@ -301,14 +332,18 @@ class _ModelHook(ModelHook):
 
 
 class _BlockHook(ModelHook):
-    def __init__(self, runner: CacheRunner, position: int, layout):
+    def __init__(self, runner: CacheRunner, position: int, layout, names: tuple[str, ...]):
         super().__init__()
-        self.runner, self.position, self.layout = runner, position, layout
+        self.runner, self.position, self.layout, self.names = runner, position, layout, names
 
     def new_forward(self, module, *args, **kwargs):
         return self.runner.block_forward(
-            self.position, self.layout, self.fn_ref.original_forward, args, kwargs
+            self.position, self.layout, self.names, self.fn_ref.original_forward, args, kwargs
         )
+
+
+def _unwrapped(transformer: nn.Module) -> nn.Module:
+    return getattr(transformer, "_orig_mod", transformer)
 
 
 def attach_cache(
@@ -317,25 +352,31 @@ def attach_cache(
     """Make ``pipeline``'s transformer follow ``schedule``; returns the runner (its counters:
     ``block_evaluations``, ``transformer_calls``, ``guard_checks`` and ``guard_forced``). ``guard``
     replaces the schedule's own (a recording guard calibrates one). ``detach_cache`` undoes it."""
-    transformer = getattr(pipeline, transformer_attr)
+    transformer = _unwrapped(getattr(pipeline, transformer_attr))
     if cache_runner(transformer) is not None:
         raise StepError("this transformer already follows a cache schedule; detach_cache(transformer) first")
     runner = CacheRunner(pipeline, transformer, schedule, guard)
     runner.owns_tracker = step_tracker(transformer) is None
     tracker = attach_step_tracker(pipeline, transformer_attr)
     for position, (block, layout) in enumerate(runner.blocks):
+        names = _parameter_names(block.forward)
         HookRegistry.check_if_exists_or_initialize(block).register_hook(
-            _BlockHook(runner, position, layout), BLOCK_HOOK
+            _BlockHook(runner, position, layout, names), BLOCK_HOOK
         )
     registry = HookRegistry.check_if_exists_or_initialize(transformer)
-    registry.register_hook(_ModelHook(runner, tracker), MODEL_HOOK)
+    model_hook = _ModelHook(runner, tracker)
+    registry.register_hook(model_hook, MODEL_HOOK)
     if hasattr(registry, "invalidate_child_registries_cache"):  # so cache_context finds the block hooks
         registry.invalidate_child_registries_cache()
+    runner._handles = [
+        transformer.register_forward_pre_hook(model_hook.before_call),
+        transformer.register_forward_hook(model_hook.after_call),
+    ]
     return runner
 
 
 def cache_runner(transformer: nn.Module) -> CacheRunner | None:
-    registry = getattr(transformer, "_diffusers_hook", None)
+    registry = getattr(_unwrapped(transformer), "_diffusers_hook", None)
     hook = None if registry is None else registry.get_hook(MODEL_HOOK)
     return None if hook is None else hook.runner
 
@@ -343,18 +384,21 @@ def cache_runner(transformer: nn.Module) -> CacheRunner | None:
 def reset_cache(transformer: nn.Module) -> None:
     """Drop every cached tensor of ``transformer``'s cache runner (if it has one): the next call
     starts from an empty cache whatever its step."""
-    runner = cache_runner(transformer)
-    if runner is not None:
+    transformer = _unwrapped(transformer)
+    if cache_runner(transformer) is not None:
         transformer._diffusers_hook.get_hook(MODEL_HOOK).reset_state(transformer)
 
 
 def detach_cache(transformer: nn.Module) -> None:
     """Remove every cache hook from ``transformer`` and its blocks and drop the cached tensors."""
+    transformer = _unwrapped(transformer)
     runner = cache_runner(transformer)
     if runner is None:
         return
     hook = transformer._diffusers_hook.get_hook(MODEL_HOOK)
     hook.reset_state(transformer)
+    for handle in runner._handles:
+        handle.remove()
     transformer._diffusers_hook.remove_hook(MODEL_HOOK, recurse=False)
     for block, _ in runner.blocks:
         block._diffusers_hook.remove_hook(BLOCK_HOOK, recurse=False)

@@ -12,10 +12,10 @@ from __future__ import annotations
 from torch import nn
 
 from sdkiln.errors import PackageError
+from sdkiln.runtime.denoising import attach_step_tracker, needs_step_tracker
 from sdkiln.runtime.quant import quant_module, scheme_classes
 from sdkiln.runtime.quant.smooth import SmoothedLinear
 from sdkiln.runtime.restore import RestoreContext, Section
-from sdkiln.runtime.steps import attach_step_tracker, needs_step_tracker
 
 
 def swap_modules(ctx: RestoreContext) -> None:

@@ -13,7 +13,7 @@ Tensors (Ascend names; T = ``num_steps``): ``weight`` int8 [N, K]; ``weight_scal
 fp32 [T, 1], ``deq_scale`` fp32 [T, N] and ``quant_bias`` int32 [T, N] for the static steps (every
 row is calibrated, also those the policy runs dynamically); ``bias`` in the model dtype [N].
 
-The step comes from the pipeline's scheduler through ``sdkiln.runtime.steps`` (``sdkiln.load``
+The step comes from the pipeline's scheduler through ``sdkiln.runtime.denoising`` (``sdkiln.load``
 attaches it). A run whose step count differs from ``num_steps`` is refused: row t of a 4-step
 calibration does not describe step t of an 8-step run.
 """
@@ -118,7 +118,7 @@ class W8A8TimestepLinear(QuantLinear):
         if tracker is None:
             raise StepError(
                 "a W8A8_TIMESTEP layer needs the denoising step: load the package with sdkiln.load, or call "
-                "sdkiln.runtime.steps.attach_step_tracker(pipeline) after building the pipeline yourself"
+                "sdkiln.runtime.denoising.attach_step_tracker(pipeline) after building the pipeline yourself"
             )
         if tracker.num_steps != self.num_steps:
             raise StepError(

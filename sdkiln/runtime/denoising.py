@@ -9,10 +9,13 @@ which diffusers schedulers advance in ``scheduler.step()`` after the transformer
 first ``step()`` of a run it is None, and the step is ``scheduler.begin_index`` if the pipeline set
 one (img2img) and 0 otherwise. The run's step count is ``len(scheduler.timesteps)``.
 
-``StepTracker`` is a named diffusers hook (``sdkiln_step_tracker``) on the transformer: before each
-transformer forward it reads the scheduler of the pipeline it was attached to (``pipeline.scheduler``
-at that moment, so a swapped scheduler is followed) and publishes ``step`` and ``num_steps``. Modules
-that need the step declare ``needs_step = True`` and get the tracker as ``module.step_tracker``.
+``DenoisingStepTracker`` is a forward pre-hook on the transformer (the transformer's attribute
+``_sdkiln_step_tracker`` names it; ``detach_step_tracker`` removes it): before each transformer call
+it reads the scheduler of the pipeline it was attached to (``pipeline.scheduler`` at that moment, so
+a swapped scheduler is followed) and publishes ``step`` and ``num_steps``. Being a torch module
+hook under ``torch.compiler.disable``, it runs outside the compiled region when the transformer is
+``torch.compile``d, so reading the scheduler never enters a graph. Modules that need the step declare ``needs_step = True`` and
+get the tracker as ``module.step_tracker``.
 """
 
 from __future__ import annotations
@@ -20,33 +23,33 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
-from diffusers.hooks import HookRegistry, ModelHook
+import torch
 from torch import nn
 
 from sdkiln.errors import StepError
 
-HOOK_NAME = "sdkiln_step_tracker"
+ATTRIBUTE = "_sdkiln_step_tracker"
 
 
-class StepTracker(ModelHook):
+class DenoisingStepTracker:
     """Publishes the pipeline's current denoising step (``step``) and step count (``num_steps``)."""
 
     def __init__(self, pipeline: Any):
-        super().__init__()
         self._pipeline = weakref.ref(pipeline)
+        self._handle = None
         self.step: int | None = None
         self.num_steps: int | None = None
 
-    def pre_forward(self, module: nn.Module, *args, **kwargs):
+    @torch.compiler.disable
+    def __call__(self, module: nn.Module, args) -> None:
         self.update()
-        return args, kwargs
 
     def update(self) -> None:
         pipeline = self._pipeline()
         if pipeline is None:
             raise StepError(
                 "the pipeline this transformer's step tracker follows no longer exists; call "
-                "sdkiln.runtime.steps.attach_step_tracker(pipe) on the pipeline that now holds the transformer"
+                "sdkiln.runtime.denoising.attach_step_tracker(pipe) on the pipeline that now holds the transformer"
             )
         scheduler = pipeline.scheduler
         if not hasattr(scheduler, "step_index"):
@@ -65,21 +68,26 @@ class StepTracker(ModelHook):
         self.step, self.num_steps = int(index), len(timesteps)
 
 
-def step_tracker(transformer: nn.Module) -> StepTracker | None:
+def _unwrapped(transformer: nn.Module) -> nn.Module:
+    """The module itself when ``transformer`` is a ``torch.compile`` wrapper."""
+    return getattr(transformer, "_orig_mod", transformer)
+
+
+def step_tracker(transformer: nn.Module) -> DenoisingStepTracker | None:
     """The tracker attached to ``transformer``, if any."""
-    registry = getattr(transformer, "_diffusers_hook", None)
-    return None if registry is None else registry.get_hook(HOOK_NAME)
+    return getattr(_unwrapped(transformer), ATTRIBUTE, None)
 
 
-def attach_step_tracker(pipeline: Any, transformer_attr: str = "transformer") -> StepTracker:
+def attach_step_tracker(pipeline: Any, transformer_attr: str = "transformer") -> DenoisingStepTracker:
     """Attach a tracker to the pipeline's transformer (or reuse the one there) and give it to every
     module with ``needs_step``. Call it again after swapping in such modules, and after moving the
     transformer into a new pipeline once the old one is gone."""
-    transformer = getattr(pipeline, transformer_attr)
+    transformer = _unwrapped(getattr(pipeline, transformer_attr))
     tracker = step_tracker(transformer)
     if tracker is None:
-        tracker = StepTracker(pipeline)
-        HookRegistry.check_if_exists_or_initialize(transformer).register_hook(tracker, HOOK_NAME)
+        tracker = DenoisingStepTracker(pipeline)
+        tracker._handle = transformer.register_forward_pre_hook(tracker)
+        setattr(transformer, ATTRIBUTE, tracker)
     elif tracker._pipeline() is None:
         tracker._pipeline = weakref.ref(pipeline)
     elif tracker._pipeline() is not pipeline:
@@ -95,14 +103,16 @@ def attach_step_tracker(pipeline: Any, transformer_attr: str = "transformer") ->
 
 def detach_step_tracker(transformer: nn.Module) -> None:
     """Remove the tracker from ``transformer`` and unbind it from its modules."""
+    transformer = _unwrapped(transformer)
     tracker = step_tracker(transformer)
     if tracker is None:
         return
-    transformer._diffusers_hook.remove_hook(HOOK_NAME, recurse=False)
+    tracker._handle.remove()
+    delattr(transformer, ATTRIBUTE)
     for module in transformer.modules():
         if getattr(module, "step_tracker", None) is tracker:
             module.step_tracker = None
 
 
 def needs_step_tracker(transformer: nn.Module) -> bool:
-    return any(getattr(m, "needs_step", False) for m in transformer.modules())
+    return any(getattr(m, "needs_step", False) for m in _unwrapped(transformer).modules())

@@ -10,7 +10,7 @@ from torch import nn
 
 from sdkiln.errors import StepError
 from sdkiln.model_zoo import get_spec
-from sdkiln.runtime.steps import HOOK_NAME, attach_step_tracker, detach_step_tracker, step_tracker
+from sdkiln.runtime.denoising import attach_step_tracker, detach_step_tracker, step_tracker
 
 
 def record_steps(pipe, layer: str) -> list[tuple[int, int]]:
@@ -92,7 +92,7 @@ def test_the_tracker_follows_a_swapped_scheduler_and_detaches():
     assert pipe.transformer.seen == [(0, 3)]
     detach_step_tracker(pipe.transformer)
     assert step_tracker(pipe.transformer) is None
-    assert HOOK_NAME not in pipe.transformer._diffusers_hook.hooks
+    assert not pipe.transformer._forward_pre_hooks and not hasattr(pipe.transformer, "_sdkiln_step_tracker")
 
 
 def test_schedulers_without_a_step_index_or_timesteps_are_refused():
