@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from sdkiln.errors import ModelError
-from sdkiln.model_zoo.spec import BlockList, ModelSpec
+from sdkiln.model_zoo.spec import AttentionSite, BlockList, ModelSpec
 
 # name -> module that defines SPEC. Modules import lazily so `import sdkiln` stays light.
 _SPEC_MODULES = {
@@ -76,6 +76,7 @@ def load_model(model: str | None = None):
 
 
 __all__ = [
+    "AttentionSite",
     "BlockList",
     "ModelSpec",
     "get_spec",

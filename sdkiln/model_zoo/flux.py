@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from sdkiln.model_zoo.spec import BlockList, ModelSpec, SmoothFold
+from sdkiln.model_zoo.spec import AttentionSite, BlockList, ModelSpec, SmoothFold
 
 if TYPE_CHECKING:
     from diffusers import FluxPipeline
@@ -113,6 +113,14 @@ FLUX_SMOOTH_FOLDS = (
     SmoothFold("single_transformer_blocks", "norm.linear", (*_QKV, "proj_mlp"), chunks=3, shift=0, scale=1),
 )
 
+# Both block kinds attend over one joint sequence, text tokens first: the double block concatenates
+# the projected text and image streams inside FluxAttnProcessor, the single block concatenates the
+# streams before its attention.
+FLUX_ATTENTION = (
+    AttentionSite("transformer_blocks.*.attn", "FluxAttnProcessor", "dispatch", "first", "first"),
+    AttentionSite("single_transformer_blocks.*.attn", "FluxAttnProcessor", "dispatch", "first", "first"),
+)
+
 SPEC = ModelSpec(
     name="flux-tiny",
     description="FLUX.1 architecture (double + single stream MMDiT) at test size with random weights",
@@ -150,4 +158,5 @@ SPEC = ModelSpec(
     eval_prompts=("a photo of a cat", "a red car on a mountain road", "a bowl of fruit, oil painting"),
     calibration_prompts=("a photo of a dog", "a city skyline at night", "a watercolor of a lighthouse"),
     smooth_folds=FLUX_SMOOTH_FOLDS,
+    attention=FLUX_ATTENTION,
 )

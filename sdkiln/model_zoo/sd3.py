@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from sdkiln.model_zoo.spec import BlockList, ModelSpec
+from sdkiln.model_zoo.spec import AttentionSite, BlockList, ModelSpec
 
 if TYPE_CHECKING:
     from diffusers import StableDiffusion3Pipeline
@@ -124,4 +124,6 @@ SPEC = ModelSpec(
     },
     eval_prompts=("a photo of a cat", "a red car on a mountain road", "a bowl of fruit, oil painting"),
     calibration_prompts=("a photo of a dog", "a city skyline at night", "a watercolor of a lighthouse"),
+    # JointAttnProcessor2_0 calls F.scaled_dot_product_attention on [B, H, S, D], image tokens first
+    attention=(AttentionSite("transformer_blocks.*.attn", "JointAttnProcessor2_0", "sdpa", "last", "last"),),
 )

@@ -1,9 +1,10 @@
 """What sdkiln knows about one model family, as data (STYLE.md habit 6).
 
-Generic code (optimizer, calibration, cache hooks) never branches on a model name: it reads the
-spec. A spec names the transformer's block lists, how each block kind passes hidden states, the
-layers that stay in float, the default recipe, how the family's pipeline is called, and builds a
-tiny random-weight pipeline of the real diffusers classes for tests and smoke runs.
+Generic code (optimizer, calibration, cache hooks, the attention seam) never branches on a model
+name: it reads the spec. A spec names the transformer's block lists, how each block kind passes
+hidden states, the layers that stay in float, where its attention runs and which tokens are text,
+the default recipe, how the family's pipeline is called, and builds a tiny random-weight pipeline
+of the real diffusers classes for tests and smoke runs.
 """
 
 from __future__ import annotations
@@ -49,6 +50,35 @@ class SmoothFold:
     scale: int
 
 
+TEXT_PLACES = ("none", "first", "last", "all")
+
+
+@dataclass(frozen=True)
+class AttentionSite:
+    """Attention modules of one kind, as the attention seam (``sdkiln.runtime.attention``) routes them.
+
+    ``modules`` is an fnmatch pattern over the transformer's module names whose ``processor`` is a
+    ``processor`` (its class name). ``call`` is how that diffusers processor computes attention:
+    ``"dispatch"``, through ``dispatch_attention_fn`` with [B, S, H, D] tensors (FLUX, Wan), or
+    ``"sdpa"``, through ``F.scaled_dot_product_attention`` with [B, H, S, D] (SD3's joint
+    processor). ``query_text`` and ``key_text`` say where the text tokens are among the queries and
+    the keys: ``"first"``/``"last"`` (a joint sequence: as many as the transformer's text argument
+    has tokens), ``"all"`` (cross-attention keys) or ``"none"``.
+    """
+
+    modules: str
+    processor: str
+    call: str = "dispatch"
+    query_text: str = "none"
+    key_text: str = "none"
+
+    def __post_init__(self) -> None:
+        if self.call not in ("dispatch", "sdpa"):
+            raise ValueError(f"AttentionSite.call is 'dispatch' or 'sdpa', got {self.call!r}")
+        if self.query_text not in TEXT_PLACES or self.key_text not in TEXT_PLACES:
+            raise ValueError(f"AttentionSite text places are {TEXT_PLACES}")
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     name: str
@@ -74,6 +104,10 @@ class ModelSpec:
     """Model-specific metrics from generated images [N,H,W,C] in [0,1] and their prompts."""
     smooth_folds: tuple[SmoothFold, ...] = ()
     """Where SmoothQuant folds its factor into the model; every other smoothed layer keeps an input multiplier."""
+    attention: tuple[AttentionSite, ...] = ()
+    """Where the transformer's attention runs, for the attention seam; empty: not routable."""
+    text_arg: str = "encoder_hidden_states"
+    """The transformer's forward argument that holds the text tokens (its length is the text count)."""
 
     def is_float_layer(self, name: str) -> bool:
         return any(fnmatch.fnmatchcase(name, pattern) for pattern in self.float_layers)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from sdkiln.model_zoo.spec import BlockList, ModelSpec
+from sdkiln.model_zoo.spec import AttentionSite, BlockList, ModelSpec
 
 if TYPE_CHECKING:
     from diffusers import WanPipeline
@@ -98,4 +98,10 @@ SPEC = ModelSpec(
     },
     eval_prompts=("a cat walking on grass", "waves breaking on a beach", "a car driving through rain"),
     calibration_prompts=("a dog running in a park", "clouds moving over mountains", "a candle flickering"),
+    # attn1: self-attention over the video tokens; attn2: cross-attention, the text tokens as keys
+    # (an image-to-video model's image-context attention runs through attn2 too and counts as text)
+    attention=(
+        AttentionSite("blocks.*.attn1", "WanAttnProcessor", "dispatch", "none", "none"),
+        AttentionSite("blocks.*.attn2", "WanAttnProcessor", "dispatch", "none", "all"),
+    ),
 )

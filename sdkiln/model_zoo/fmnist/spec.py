@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from sdkiln.model_zoo.flux import FLUX_ATTENTION
 from sdkiln.model_zoo.fmnist.data import CLASS_NAMES
 from sdkiln.model_zoo.fmnist.metrics import fmnist_metrics
 from sdkiln.model_zoo.fmnist.pipeline import DEFAULT_GUIDANCE, FmnistFluxPipeline
@@ -41,4 +42,5 @@ SPEC = ModelSpec(
     eval_prompts=tuple(eval_prompt(c) for c in range(len(CLASS_NAMES))),
     calibration_prompts=tuple(cap for caps in CAPTIONS for cap in caps[1:]),
     metrics=fmnist_metrics,
+    attention=FLUX_ATTENTION,
 )

@@ -1,0 +1,83 @@
+"""Attention backends: what a routed attention call runs. One function per backend, registered by name.
+
+A backend takes an ``AttentionCall`` (q, k, v in diffusers' dispatch layout [B, S, H, D], the
+mask and scale, where the text tokens are, which site it is, and diffusers' ``parallel_config``
+when context parallelism is on) and returns the attention output [B, Sq, H, Dv]. ``"sdkiln"`` is
+the dense ``sdkiln::attention`` op, which runs on whatever kernel the device has registered for it
+(``sdkiln.kernels``). A new backend (block-sparse attention, say) is one module with a registered
+function; the route names it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from sdkiln import kernels
+from sdkiln.errors import SdkilnError
+
+
+@dataclass(frozen=True)
+class TokenSpan:
+    """Where the text tokens are in a sequence of ``length`` tokens: ``[start, stop)``, empty for none."""
+
+    start: int
+    stop: int
+    length: int
+
+    @property
+    def text(self) -> slice:
+        return slice(self.start, self.stop)
+
+
+@dataclass
+class AttentionCall:
+    site: Any
+    """The ``AttentionSite`` of the module this call comes from, and the module's name in ``name``."""
+    name: str
+    query: Tensor
+    key: Tensor
+    value: Tensor
+    mask: Tensor | None
+    """Broadcasts to [B, H, Sq, Sk]: boolean True attends, a float mask adds to the logits."""
+    scale: float | None
+    query_text: TokenSpan
+    key_text: TokenSpan
+    parallel_config: Any = None
+    """diffusers' ``ParallelConfig`` when its context parallelism sharded this call's sequence."""
+
+
+Backend = Callable[[AttentionCall], Tensor]
+_BACKENDS: dict[str, Backend] = {}
+
+
+def register_backend(name: str) -> Callable[[Backend], Backend]:
+    def wrap(fn: Backend) -> Backend:
+        if name in _BACKENDS:
+            raise ValueError(f"attention backend {name!r} is registered twice")
+        _BACKENDS[name] = fn
+        return fn
+
+    return wrap
+
+
+def backend(name: str) -> Backend:
+    if name not in _BACKENDS:
+        raise SdkilnError(f"unknown attention backend {name!r}; known: {', '.join(sorted(_BACKENDS))}")
+    return _BACKENDS[name]
+
+
+@register_backend("sdkiln")
+def dense(call: AttentionCall) -> torch.Tensor:
+    """``sdkiln::attention`` over the whole sequence on one device."""
+    if call.parallel_config is not None:
+        raise SdkilnError(
+            f"{call.name}: diffusers' context parallelism is on, and the sdkiln attention backend runs on "
+            "one device; the parallel runtime is not part of this sdkiln yet"
+        )
+    out, _ = kernels.attention(call.query, call.key, call.value, call.mask, call.scale)
+    return out

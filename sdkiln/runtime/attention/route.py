@@ -1,0 +1,183 @@
+"""Route a transformer's attention through an attention backend: one named, removable route per
+transformer, decided by the family's ``ModelSpec.attention`` data.
+
+Each routed attention module gets a copy of its diffusers processor whose ``__call__`` is
+diffusers' own code, rebound so that the one call it makes to compute attention
+(``dispatch_attention_fn`` or ``F.scaled_dot_product_attention``, the site's ``call``) reaches
+this module's site function instead. Nothing of the processor is rewritten: projections, norms,
+RoPE and output layers stay diffusers'. The site function builds an ``AttentionCall`` in diffusers'
+dispatch layout [B, S, H, D] (an SDPA call's [B, H, S, D] tensors are transposed views of it) with
+where the text tokens are, and hands it to the backend (``backends.py``). The processor's
+``_parallel_config``, which diffusers' ``enable_parallelism`` sets, still reaches the backend, so
+the route composes with diffusers' context parallelism rather than replacing it; a diffusers
+attention backend chosen with ``set_attention_backend`` is overridden while the route is on.
+
+The text token count comes from the transformer's text argument (``ModelSpec.text_arg``), read by
+a forward pre-hook under ``torch.compiler.disable``. ``unroute_attention`` restores the original
+processors and removes the hook; the route lives on the transformer as ``_sdkiln_attention``.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import functools
+import inspect
+import types
+from typing import Any
+
+import torch
+import torch.nn.functional
+from torch import nn
+
+from sdkiln.errors import SdkilnError
+from sdkiln.runtime.attention.backends import AttentionCall, TokenSpan, backend
+
+ATTRIBUTE = "_sdkiln_attention"
+_CALLEES = {"dispatch": "dispatch_attention_fn", "sdpa": "F"}
+
+
+def _span(place: str, length: int, text: int) -> TokenSpan:
+    if place == "none":
+        return TokenSpan(0, 0, length)
+    if place == "all":
+        return TokenSpan(0, length, length)
+    return TokenSpan(0, text, length) if place == "first" else TokenSpan(length - text, length, length)
+
+
+def _refuse_training_options(name: str, dropout_p: float, is_causal: bool, enable_gqa: bool) -> None:
+    if dropout_p or is_causal or enable_gqa:
+        raise SdkilnError(
+            f"{name}: the sdkiln attention route runs inference attention; dropout, causal masks and "
+            "grouped-query attention are not routed"
+        )
+
+
+class AttentionRoute:
+    """The route of one transformer: its backend, its routed modules and the call's text length."""
+
+    def __init__(self, transformer: nn.Module, backend_name: str, text_arg: str):
+        self.backend_name = backend_name
+        self.backend = backend(backend_name)
+        self.text_arg = text_arg
+        params = list(inspect.signature(transformer.forward).parameters)
+        self._text_position = params.index(text_arg) if text_arg in params else None
+        self.text_tokens = 0
+        self.routed: dict[str, tuple[nn.Module, Any]] = {}
+        """Module name -> (the attention module, its original processor)."""
+        self._handle = None
+
+    @torch.compiler.disable
+    def before_call(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        text = kwargs.get(self.text_arg)
+        if text is None and self._text_position is not None and self._text_position < len(args):
+            text = args[self._text_position]
+        self.text_tokens = 0 if text is None else int(text.shape[1])
+
+    def dispatch(self, site, name: str, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
+                 scale=None, enable_gqa=False, attention_kwargs=None, *, backend=None, parallel_config=None):  # fmt: skip
+        """diffusers' ``dispatch_attention_fn`` signature, [B, S, H, D] tensors."""
+        _refuse_training_options(name, dropout_p, is_causal, enable_gqa)
+        if attn_mask is not None and attn_mask.ndim == 2:  # [B, Sk]: keys to attend, as diffusers reads it
+            attn_mask = attn_mask[:, None, None, :]
+        text = self.text_tokens
+        call = AttentionCall(
+            site, name, query, key, value, attn_mask, scale,
+            _span(site.query_text, query.shape[1], text), _span(site.key_text, key.shape[1], text),
+            parallel_config,
+        )  # fmt: skip
+        return self.backend(call)
+
+    def sdpa(self, site, name: str, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
+             scale=None, enable_gqa=False):  # fmt: skip
+        """``F.scaled_dot_product_attention``'s signature, [B, H, S, D] tensors."""
+        q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # views in the dispatch layout
+        return self.dispatch(
+            site, name, q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa
+        ).transpose(1, 2)
+
+
+class _Functional:
+    """``torch.nn.functional`` with ``scaled_dot_product_attention`` replaced by one site's function."""
+
+    def __init__(self, sdpa):
+        self.scaled_dot_product_attention = sdpa
+
+    def __getattr__(self, name: str):
+        return getattr(torch.nn.functional, name)
+
+
+def _routed_processor(processor: Any, site, name: str, route: AttentionRoute) -> Any:
+    """A copy of ``processor`` whose ``__call__`` is its class's, with the attention call rebound."""
+    cls = type(processor)
+    call = cls.__call__
+    callee = _CALLEES[site.call]
+    if not isinstance(call, types.FunctionType) or callee not in call.__code__.co_names:
+        raise SdkilnError(
+            f"{name}: {cls.__name__}.__call__ does not call {callee} itself in this diffusers version; "
+            "the attention seam cannot route it (update the family's AttentionSite)"
+        )
+    bound = functools.partial(route.dispatch if site.call == "dispatch" else route.sdpa, site, name)
+    namespace = dict(call.__globals__)
+    namespace[callee] = bound if site.call == "dispatch" else _Functional(bound)
+    # Without a module name, torch.compile guards on this namespace itself rather than on the
+    # diffusers module it was copied from (whose attention function is not the one called here).
+    del namespace["__name__"]
+    rebound = types.FunctionType(call.__code__, namespace, call.__name__, call.__defaults__, call.__closure__)
+    rebound.__kwdefaults__ = call.__kwdefaults__
+    routed_cls = type(f"Routed{cls.__name__}", (cls,), {"__call__": rebound, "__module__": __name__})
+    routed = object.__new__(routed_cls)
+    routed.__dict__.update(processor.__dict__)
+    return routed
+
+
+def _unwrapped(transformer: nn.Module) -> nn.Module:
+    return getattr(transformer, "_orig_mod", transformer)
+
+
+def attention_route(transformer: nn.Module) -> AttentionRoute | None:
+    return getattr(_unwrapped(transformer), ATTRIBUTE, None)
+
+
+def route_attention(transformer: nn.Module, spec, backend_name: str = "sdkiln") -> AttentionRoute:
+    """Route every attention module the family's spec names (``spec.attention``) through the attention
+    backend ``backend_name``. ``unroute_attention`` undoes it."""
+    transformer = _unwrapped(transformer)
+    if attention_route(transformer) is not None:
+        raise SdkilnError(
+            "this transformer's attention is already routed; unroute_attention(transformer) first"
+        )
+    if not spec.attention:
+        raise SdkilnError(f"model family {spec.name!r} names no attention sites to route")
+    route = AttentionRoute(transformer, backend_name, spec.text_arg)
+    modules = dict(transformer.named_modules())
+    for site in spec.attention:
+        matched = [n for n in modules if fnmatch.fnmatchcase(n, site.modules)]
+        if not matched:
+            raise SdkilnError(f"model family {spec.name!r}: no attention module matches {site.modules!r}")
+        for name in matched:
+            module = modules[name]
+            processor = getattr(module, "processor", None)
+            if type(processor).__name__ != site.processor:
+                raise SdkilnError(
+                    f"{name}: its attention processor is {type(processor).__name__}, the family's spec routes "
+                    f"{site.processor}; restore the default processor to route it"
+                )
+            route.routed[name] = (module, processor)
+    for name, (module, processor) in route.routed.items():
+        site = next(s for s in spec.attention if fnmatch.fnmatchcase(name, s.modules))
+        module.processor = _routed_processor(processor, site, name, route)
+    route._handle = transformer.register_forward_pre_hook(route.before_call, with_kwargs=True)
+    setattr(transformer, ATTRIBUTE, route)
+    return route
+
+
+def unroute_attention(transformer: nn.Module) -> None:
+    """Give every routed attention module its original processor back and remove the route."""
+    transformer = _unwrapped(transformer)
+    route = attention_route(transformer)
+    if route is None:
+        return
+    for module, processor in route.routed.values():
+        module.processor = processor
+    route._handle.remove()
+    delattr(transformer, ATTRIBUTE)
