@@ -82,7 +82,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import quant  # noqa: E402  (bench/quant.py: machine description, timed generation, scoring)
+import harness  # noqa: E402  (bench/harness.py: machine description, timed generation, scoring)
 from cache_methods import FIXED_INTERVALS, METHODS, Method  # noqa: E402, F401  (re-exported)
 
 import sdkiln  # noqa: E402
@@ -219,7 +219,7 @@ class Bench:
         """Images of the held-out set and the counts and seconds of generating them with ``pipe``."""
         transformer = getattr(pipe, self.spec.transformer_attr)
         with counting(transformer, self.spec) as counter:
-            images, timing = quant._timed_generate(
+            images, timing = harness.timed_generate(
                 pipe, self.call, self.prompts, self.seeds, self.batch_size, desc
             )
         seconds = timing["seconds_per_sample"] * len(self.prompts)
@@ -250,7 +250,7 @@ class Bench:
             )
         self.images = images
         self.reference = (
-            {"num_blocks": num_blocks} | measured | quant._scores(images, None, self.spec, self.prompts)
+            {"num_blocks": num_blocks} | measured | harness.scores(images, None, self.spec, self.prompts)
         )
 
     def current_timestep(self) -> float:
@@ -372,7 +372,7 @@ def run_point(bench: Bench, name: str, knob: dict[str, Any]) -> dict[str, Any]:
         "seconds": measured["seconds"],
         "wall_speedup": ref["seconds"] / measured["seconds"],
     }
-    row |= quant._scores(images, bench.images, bench.spec, bench.prompts)
+    row |= harness.scores(images, bench.images, bench.spec, bench.prompts)
     if warnings:
         row["warnings"] = sorted({r.getMessage()[:300] for r in warnings})
     reused = row["block_evaluations_ratio"] < 1 or row["attention_evaluations_ratio"] < 1
@@ -579,24 +579,12 @@ def run(
             "torch_threads": torch.get_num_threads(),
             "load_average_1_5_15min": {"start": load_at_start, "end": os.getloadavg()},
         },
-        "machine": quant.machine() | {"versions": _versions()},
+        "machine": harness.machine(PACKAGES),
         "steps": per_steps,
         "methods": rows,
         "acceptance": acceptance(per_steps, rows),
         "total_seconds": time.perf_counter() - started,
     }
-
-
-def _versions() -> dict[str, str | None]:
-    from importlib import metadata
-
-    out = {}
-    for name in PACKAGES:
-        try:
-            out[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            out[name] = None
-    return out
 
 
 # --- acceptance ------------------------------------------------------------------------------

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import quant  # noqa: E402  (bench/quant.py: the machine description)
+import harness  # noqa: E402  (bench/harness.py: the machine description)
 
 import sdkiln  # noqa: E402
 from sdkiln import metrics  # noqa: E402
@@ -39,6 +39,7 @@ from sdkiln.optimizer.evaluate import PSNR_CAP_DB, generate, sample_plan  # noqa
 from sdkiln.runtime.cache import SCHEDULE_FILE, CacheSchedule, attach_cache, detach_cache  # noqa: E402
 
 DEFAULT_OUT = Path(__file__).parent / "results" / "cache_guard_fmnist.json"
+PACKAGES = ("torch", "diffusers", "sdkiln")
 OTHER_PROMPTS = ["a photo of a cat", "a red car at night", "", "a bowl of soup", "a mountain lake"]
 
 
@@ -121,7 +122,7 @@ def run(
             "batch_size": batch,
             "recipe": recipe.to_dict(),
         },
-        "machine": quant.machine(),
+        "machine": harness.machine(PACKAGES),
         "schedule": {
             "actions": result.files[SCHEDULE_FILE]["actions"],
             "guards": guarded.guards,

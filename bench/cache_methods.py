@@ -1,5 +1,6 @@
 """The methods bench/cache.py runs: one ``Method`` per row family, each a knob sweep and a context
-manager that installs one knob value on the bench's pipeline and removes it on exit."""
+manager that installs one knob value on the bench's pipeline and removes it on exit. ``bench``
+arguments are bench/cache.py's ``Bench`` (not imported here: cache.py imports this module)."""
 
 from __future__ import annotations
 
@@ -7,24 +8,21 @@ import contextlib
 import dataclasses
 import os
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from sdkiln.optimizer.cache.search import fixed_interval
 from sdkiln.runtime.cache import attach_cache, detach_cache
 
-if TYPE_CHECKING:
-    from cache import Bench
-
 
 @dataclasses.dataclass(frozen=True)
 class Method:
     by: str
     """``sdkiln`` (ours), ``baseline``, ``diffusers`` or ``cache-dit``."""
-    sweep: Callable[[Bench], list[dict[str, Any]]]
+    sweep: Callable[[Any], list[dict[str, Any]]]
     """The knob values at the bench's step count; ``actions`` in a knob is a schedule to run."""
-    install: Callable[[Bench, dict[str, Any]], contextlib.AbstractContextManager]
+    install: Callable[[Any, dict[str, Any]], contextlib.AbstractContextManager]
     """Installs one knob value; yields the pipeline to generate with; removes it on exit."""
     reuses: str = "blocks"
     """``blocks`` (a reused step skips whole blocks) or ``attention`` (only attention outputs)."""
@@ -32,7 +30,7 @@ class Method:
 
 
 @contextlib.contextmanager
-def _schedule(bench: Bench, knob: dict[str, Any]):
+def _schedule(bench: Any, knob: dict[str, Any]):
     attach_cache(bench.base, bench.schedule(knob["actions"]), bench.spec.transformer_attr)
     try:
         yield bench.base
@@ -40,7 +38,7 @@ def _schedule(bench: Bench, knob: dict[str, Any]):
         detach_cache(bench.transformer)
 
 
-def _ours(bench: Bench) -> list[dict[str, Any]]:
+def _ours(bench: Any) -> list[dict[str, Any]]:
     return [{"point": i, "actions": p["actions"]} for i, p in enumerate(bench.front())]
 
 
@@ -48,7 +46,7 @@ FIXED_INTERVALS = ((2, 2), (4, 2), (7, 3), (3, 3), (4, 4), (2, 4), (3, 6))
 """(first, every) at 28 steps: block-evaluation ratios 0.29 to 0.61; ``first`` scales with the steps."""
 
 
-def _fixed(bench: Bench) -> list[dict[str, Any]]:
+def _fixed(bench: Any) -> list[dict[str, Any]]:
     knobs: dict[tuple[str, ...], dict[str, Any]] = {}
     for first, every in FIXED_INTERVALS:
         first = max(1, round(first * bench.steps / 28))
@@ -57,9 +55,9 @@ def _fixed(bench: Bench) -> list[dict[str, Any]]:
     return list(knobs.values())
 
 
-def _diffusers(make: Callable[[Bench, dict[str, Any]], Any]):
+def _diffusers(make: Callable[[Any, dict[str, Any]], Any]):
     @contextlib.contextmanager
-    def install(bench: Bench, knob: dict[str, Any]):
+    def install(bench: Any, knob: dict[str, Any]):
         bench.transformer.enable_cache(make(bench, knob))
         try:
             yield bench.base
@@ -117,7 +115,7 @@ def _seacache(bench, knob):
 
 
 @contextlib.contextmanager
-def _cache_dit(bench: Bench, knob: dict[str, Any]):
+def _cache_dit(bench: Any, knob: dict[str, Any]):
     os.environ.setdefault("CACHE_DIT_LOG_LEVEL", "error")  # it logs to stdout, which has the table
     import cache_dit
     from cache_dit import BlockAdapter, DBCacheConfig, ForwardPattern

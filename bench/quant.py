@@ -37,11 +37,9 @@ import functools
 import json
 import math
 import os
-import platform
 import sys
 import time
 from collections.abc import Callable
-from importlib import metadata
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -51,6 +49,9 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness  # noqa: E402  (bench/harness.py: machine description, timed generation, scoring)
+
 import sdkiln
 from sdkiln import metrics
 from sdkiln.calibrate.observers import observing
@@ -58,7 +59,7 @@ from sdkiln.configs import Deployment, RecipeConfig, SmoothQuantConfig
 from sdkiln.errors import RecipeError
 from sdkiln.model_zoo import get_spec
 from sdkiln.model_zoo.fingerprint import weights_hash
-from sdkiln.optimizer.evaluate import PSNR_CAP_DB, generate, sample_plan
+from sdkiln.optimizer.evaluate import generate, sample_plan
 from sdkiln.optimizer.layers import select_layers
 from sdkiln.optimizer.quant.calibration import STATS_FILE
 from sdkiln.optimizer.recipes import resolve_recipe
@@ -254,7 +255,7 @@ def _missing_recipe(method: str) -> str | None:
     return None
 
 
-def _prepare(method: str, base, spec, names: list[str], steps: int):
+def prepare(method: str, base, spec, names: list[str], steps: int):
     """(quantized pipeline, its layers for SQNR, what was applied)."""
     if method in OURS:
         recipe = _recipe(method, steps)
@@ -273,30 +274,6 @@ def _prepare(method: str, base, spec, names: list[str], steps: int):
     pipe = type(base)(**{**base.components, attr: copy.deepcopy(getattr(base, attr))})
     applied = PEERS[method](getattr(pipe, attr), set(names))
     return pipe, peer_layers(getattr(pipe, attr), names), {"call": applied}
-
-
-def _scores(images: np.ndarray, base_images: np.ndarray | None, spec, prompts: list[str]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    if base_images is not None:
-        psnr = np.minimum(metrics.psnr(base_images, images), PSNR_CAP_DB)
-        out |= {
-            "psnr": float(psnr.mean()),
-            "psnr_p5": float(np.percentile(psnr, 5)),
-            "psnr_min": float(psnr.min()),
-            "ssim": float(metrics.ssim(base_images, images).mean()),
-            "psnr_per_sample": [round(float(p), 3) for p in psnr],
-        }
-    if spec.metrics is not None:
-        out |= spec.metrics(images, prompts)
-    return out
-
-
-def _timed_generate(pipe, call, prompts, seeds, batch_size: int, desc: str):
-    start = time.perf_counter()
-    images, _ = generate(pipe, call, prompts, seeds, batch_size, desc)
-    seconds = time.perf_counter() - start
-    batches = -(-len(prompts) // batch_size)
-    return images, {"seconds_per_batch": seconds / batches, "seconds_per_sample": seconds / len(prompts)}
 
 
 def run(
@@ -323,9 +300,9 @@ def run(
     targets, kept = select_layers(TransformContext(base, spec, None))
     names = [t.layer for t in targets]
 
-    base_images, timing = _timed_generate(base, call, prompts, seeds, batch_size, "float")
+    base_images, timing = harness.timed_generate(base, call, prompts, seeds, batch_size, "float")
     reference = {"method": "float", "transformer_bytes": transformer_bytes(float_model)}
-    reference |= _scores(base_images, None, spec, prompts) | timing
+    reference |= harness.scores(base_images, None, spec, prompts) | timing
     print(f"float: {_line(reference)}", file=sys.stderr)
     captured = capture_layer_inputs(
         base, spec, names, call, prompts[:sqnr_samples], seeds[:sqnr_samples], sqnr_stride
@@ -341,11 +318,11 @@ def run(
             continue
         start = time.perf_counter()
         try:
-            pipe, layers, row["applied"] = _prepare(method, base, spec, names, steps)
+            pipe, layers, row["applied"] = prepare(method, base, spec, names, steps)
             row |= {"prepare_seconds": time.perf_counter() - start, "quantized_layers": len(layers)}
             row["transformer_bytes"] = transformer_bytes(getattr(pipe, spec.transformer_attr))
-            images, timing = _timed_generate(pipe, call, prompts, seeds, batch_size, method)
-            row |= _scores(images, base_images, spec, prompts) | timing
+            images, timing = harness.timed_generate(pipe, call, prompts, seeds, batch_size, method)
+            row |= harness.scores(images, base_images, spec, prompts) | timing
             row |= _sqnr_summary(layer_sqnr(float_model, layers, captured)) | {"status": "ok"}
         except ImportError as exc:
             if method in OURS:
@@ -375,7 +352,7 @@ def run(
             "torch_threads": torch.get_num_threads(),
             "load_average_1_5_15min": {"start": load_at_start, "end": os.getloadavg()},
         },
-        "machine": machine(),
+        "machine": harness.machine(PACKAGES),
         "float": reference,
         "methods": rows,
         "acceptance": acceptance(reference, rows),
@@ -394,26 +371,6 @@ def _line(row: dict[str, Any]) -> str:
         "sqnr_median_db",
     )
     return ", ".join(f"{k}={row[k]:.4g}" for k in keys if row.get(k) is not None)
-
-
-def machine() -> dict[str, Any]:
-    cpu = "unknown"
-    if Path("/proc/cpuinfo").is_file():
-        lines = [ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("model name")]
-        cpu = lines[0].split(":", 1)[1].strip() if lines else cpu
-    versions = {}
-    for name in PACKAGES:
-        try:
-            versions[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            versions[name] = None
-    return {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "versions": versions,
-    }
 
 
 def acceptance(reference: dict[str, Any], rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

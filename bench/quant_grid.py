@@ -37,7 +37,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import quant  # noqa: E402  (bench/quant.py: the same preparation and scoring)
+import harness  # noqa: E402  (bench/harness.py)
+import quant  # noqa: E402  (bench/quant.py: the same preparation)
 
 from sdkiln.model_zoo import get_spec  # noqa: E402
 from sdkiln.optimizer.evaluate import sample_plan  # noqa: E402
@@ -158,18 +159,18 @@ def run(
     pipes = {}
     for variant, (method, grid_name) in variants.items():
         with grid(grid_name) if grid_name else contextlib.nullcontext():
-            pipes[variant] = quant._prepare(method, base, spec, names, call["num_inference_steps"])[0]
+            pipes[variant] = quant.prepare(method, base, spec, names, call["num_inference_steps"])[0]
         if variant in ACTIVATION_VARIANTS:
             assert full_activation_grid(getattr(pipes[variant], spec.transformer_attr)) > 0
     psnr: dict[str, list[float]] = {v: [] for v in variants}
     sets = []
     for seed in seed_sets:
         prompts, seeds = sample_plan(spec, num_samples, seed)
-        ref, _ = quant._timed_generate(base, call, prompts, seeds, batch_size, f"float {seed}")
+        ref, _ = harness.timed_generate(base, call, prompts, seeds, batch_size, f"float {seed}")
         row = {"seeds": f"{seeds[0]}..{seeds[-1]}", "psnr": {}}
         for variant, pipe in pipes.items():
-            images, _ = quant._timed_generate(pipe, call, prompts, seeds, batch_size, f"{variant} {seed}")
-            scores = quant._scores(images, ref, spec, prompts)
+            images, _ = harness.timed_generate(pipe, call, prompts, seeds, batch_size, f"{variant} {seed}")
+            scores = harness.scores(images, ref, spec, prompts)
             psnr[variant] += scores["psnr_per_sample"]
             row["psnr"][variant] = scores["psnr"]
             print(f"seeds {seed}: {variant:22s} PSNR {scores['psnr']:.2f}", file=sys.stderr)
@@ -185,7 +186,7 @@ def run(
             "steps": call["num_inference_steps"],
             "torch_threads": torch.get_num_threads(),
         },
-        "machine": quant.machine(),
+        "machine": harness.machine(quant.PACKAGES),
         "per_seed_set": sets,
         "mean_psnr": {v: float(a.mean()) for v, a in arrays.items()},
         "pairs": {

@@ -14,6 +14,7 @@ import pytest
 import sdkiln
 from sdkiln.configs import Deployment, RecipeConfig, SmoothQuantConfig, W8A8StaticConfig
 from sdkiln.model_zoo import get_spec
+from sdkiln.optimizer.evaluate import PSNR_CAP_DB
 from sdkiln.optimizer.layers import select_layers
 from sdkiln.optimizer.registry import TransformContext
 
@@ -44,7 +45,7 @@ def test_rows_measure_every_column(report):
         assert row["sqnr_min_db"] > INT8_SQNR_FLOOR_DB, row["sqnr_worst_layer"]
         assert row["sqnr_min_db"] <= row["sqnr_median_db"]
         assert row["transformer_bytes"] < report["float"]["transformer_bytes"]
-        assert 0 < row["psnr_min"] <= row["psnr"] <= bench.PSNR_CAP_DB
+        assert 0 < row["psnr_min"] <= row["psnr"] <= PSNR_CAP_DB
         assert row["seconds_per_batch"] > 0
     timestep = report["methods"][1]
     assert timestep["applied"]["schemes"] == ["W8A8_TIMESTEP"]
