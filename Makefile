@@ -70,8 +70,8 @@ test-all: setup-test dataset
 	$(PY) -m pytest -q --run-slow
 
 lint: setup-test
-	$(VENV)/bin/ruff check sdkiln tests bench
-	$(VENV)/bin/ruff format --check sdkiln tests bench
+	$(VENV)/bin/ruff check sdkiln tests bench tools
+	$(VENV)/bin/ruff format --check sdkiln tests bench tools
 
 # Our quantization schemes against torchao and optimum-quanto on the embedded model, in one run
 # (about 20 minutes on 2 cores): bench/results/quant_fmnist.json and the table in docs/benchmarks.md.

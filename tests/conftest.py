@@ -1,9 +1,8 @@
-"""Test-wide settings: one torch thread (2-core CI), Triton's interpreter, markers, --run-slow."""
+"""Test-wide settings: one torch thread (2-core CI), markers, --run-slow."""
 
 import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 
@@ -22,7 +21,6 @@ def pytest_configure(config):
         ("slow", "too slow for the 15-minute CI budget; runs under make test-all"),
         ("gpu", "needs a CUDA device"),
         ("npu", "needs an Ascend NPU"),
-        ("distributed", "spawns several processes"),
     ]:
         config.addinivalue_line("markers", f"{marker}: {text}")
 

@@ -7,7 +7,8 @@ runs on any device that has no kernel of its own. Float ops differentiate throug
 recomputed from the saved inputs in backward; quantized ops are inference-only and their backward
 raises. Ops are defined with a plain ``torch.library.Library``, as vLLM's
 ``direct_register_custom_op``, rather than ``torch.library.custom_op``, which costs more Python per
-call and imports ``torch._dynamo`` (and with it triton, where installed) on its first call.
+call (docs/benchmarks.md) and imports ``torch._dynamo`` (and with it triton, where installed) on
+its first call.
 
 **Kernels**: any number per (op, device type), each with a name, a priority and an optional
 ``supports(*args) -> bool`` over the op's arguments::

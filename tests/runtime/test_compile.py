@@ -9,11 +9,16 @@ from torch._inductor.compile_fx import compile_fx
 
 import sdkiln
 from sdkiln.configs import CacheAutoConfig, QuantAutoConfig, RecipeConfig
-from sdkiln.metrics import rel_l2
+from sdkiln.metrics import psnr, rel_l2
 from sdkiln.optimizer.evaluate import generate
 
-# Inductor reorders fp32 arithmetic: latents within this relative L2 of the eager run.
+# Inductor reorders fp32 arithmetic around the (opaque, bit-exact) quantized ops. On flux-tiny at 4
+# steps the latents stay within this relative L2 of the eager run (measured 1e-4):
 COMPILED_VS_EAGER_MAX_REL_L2 = 1e-3
+# Over the embedded model's 28 steps the reordering flips a few int8 rounding decisions and the
+# sampler carries them on: the float model compiled matches eager at 139 dB PSNR, quant-auto at
+# 53-56 dB (its quantization error against float is about 50 dB), so images are compared by PSNR:
+COMPILED_VS_EAGER_MIN_PSNR_DB = 40.0
 
 
 @pytest.fixture(scope="module")
@@ -59,3 +64,31 @@ def test_quantized_cached_package_compiles_without_graph_breaks(package):
     # no graph depends on the step index itself
     assert len(graphs) == 3
     assert float(rel_l2(eager, compiled).max()) < COMPILED_VS_EAGER_MAX_REL_L2
+
+
+@pytest.mark.slow
+def test_the_default_recipe_on_the_embedded_model_compiles_without_graph_breaks(tmp_path):
+    """The full-size twin: fmnist-flux with the default recipe (quant-auto + cache-auto, searched at
+    28 steps, whatever actions the search chose), compiled with Inductor: no graph break, at most
+    three graphs per distinct action (the full step's residual history empty, one deep, two deep),
+    and the compiled images close to the eager ones."""
+    sdkiln.optimize("fmnist-flux", "default", tmp_path / "pkg", eval_samples=0)
+    pipe = sdkiln.load(tmp_path / "pkg", device="cpu")
+    actions = set(
+        sdkiln.runtime.open_package(tmp_path / "pkg").read_json("schedules/cache_schedule.json")["actions"][
+            "batched"
+        ]
+    )
+    call = dict(pipe.sdkiln_manifest["call"]["defaults"])
+    prompts = ["a photo of a sneaker", "a pair of trousers"]
+    eager, _ = generate(pipe, call, prompts, [0, 1])
+    graphs = []
+    torch._dynamo.reset()
+    counters.clear()
+    pipe.transformer = torch.compile(
+        pipe.transformer, backend=lambda gm, ex: graphs.append(gm) or compile_fx(gm, ex)
+    )
+    compiled, _ = generate(pipe, call, prompts, [0, 1])
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+    assert len(graphs) <= 3 * len(actions), (len(graphs), actions)
+    assert psnr(eager, compiled).min() >= COMPILED_VS_EAGER_MIN_PSNR_DB

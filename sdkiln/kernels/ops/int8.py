@@ -51,8 +51,8 @@ def int8_matmul_fp32_chunks(a: Tensor, b: Tensor) -> Tensor:
 def int8_matmul(a: Tensor, b: Tensor) -> Tensor:
     """Exact ``a @ b.T`` for int8 a [M, K] and b [N, K], as int32.
 
-    On CPU this is ``torch._int_mm``, exact for every shape and about 3.5x faster than an fp32
-    matmul; elsewhere it is ``int8_matmul_fp32_chunks`` (``_int_mm`` on CUDA has shape limits, and
+    On CPU this is ``torch._int_mm``, exact for every shape and faster than an fp32 matmul
+    (docs/benchmarks.md); elsewhere it is ``int8_matmul_fp32_chunks`` (``_int_mm`` on CUDA has shape limits, and
     NPUs lack it). Plain ``int8 @ int8`` wraps around in int8 and is never used.
     """
     if a.device.type == "cpu":

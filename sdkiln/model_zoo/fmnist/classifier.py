@@ -112,7 +112,7 @@ def load_classifier() -> tuple[FmnistClassifier, torch.Tensor, torch.Tensor]:
     if not CLASSIFIER_WEIGHTS.is_file() or not CLASSIFIER_CONFIG.is_file():
         raise FileNotFoundError(
             f"classifier weights missing under {WEIGHTS_DIR}; "
-            "train them with `python -m sdkiln.model_zoo.fmnist.train_classifier`"
+            "train them with `python tools/fmnist/train_classifier.py` (in the source tree)"
         )
     config = ClassifierConfig.from_dict(json.loads(CLASSIFIER_CONFIG.read_text()))
     tensors = load_file(str(CLASSIFIER_WEIGHTS))

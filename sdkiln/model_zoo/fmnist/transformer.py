@@ -46,7 +46,7 @@ def load_transformer(
     if not (path / "config.json").is_file():
         raise FileNotFoundError(
             f"embedded transformer weights missing under {path}; "
-            "train them with `python -m sdkiln.model_zoo.fmnist.train --steps N`"
+            "train them with `python tools/fmnist/train_transformer.py --steps N` (in the source tree)"
         )
     return FluxTransformer2DModel.from_pretrained(path, torch_dtype=dtype, local_files_only=True).eval()
 

@@ -10,7 +10,8 @@ residual gives:
   recorded at the last ``full`` step, or extrapolated from the last two to first order);
 * the other reused blocks return their input unchanged, in the block's output order.
 
-**Decisions are made per call, outside the compiled region.** The forward pre-hook reads the
+**Decisions are made per call, outside the compiled region.** The forward pre-hook (under
+``torch.compiler.disable``) reads the
 denoising step from the pipeline's scheduler (``DenoisingStepTracker``, never a call counter),
 maps the schedule to the run's sigmas at a run's first step, picks the action of the step for the
 call's branch, counts block evaluations and computes an extrapolation weight (a 0-dim tensor). A

@@ -1,6 +1,6 @@
 """Train the embedded model's transformer and write ``weights/transformer/`` (EMA weights, bf16).
 
-``python -m sdkiln.model_zoo.fmnist.train --steps N [--batch-size 64] [--seed 0]``
+``python tools/fmnist/train_transformer.py --steps N [--batch-size 64] [--seed 0]``
 
 Rectified flow in pixel space: ``x_t = (1 - t) x0 + t noise`` with the velocity target
 ``noise - x0``, the convention of ``FlowMatchEulerDiscreteScheduler``; the model gets ``t`` in
@@ -22,10 +22,10 @@ import time
 from pathlib import Path
 
 import torch
+from measure import quick_accuracy  # tools/fmnist/measure.py, beside this script
 from tqdm import tqdm
 
 from sdkiln.model_zoo.fmnist.data import load_split, to_canvas
-from sdkiln.model_zoo.fmnist.evaluate import quick_accuracy
 from sdkiln.model_zoo.fmnist.pipeline import DEFAULT_GUIDANCE
 from sdkiln.model_zoo.fmnist.text import CAPTIONS, encode, load_text_encoder
 from sdkiln.model_zoo.fmnist.transformer import (

@@ -1,6 +1,6 @@
 """Train the metric classifier and write ``weights/classifier.{safetensors,json}``.
 
-``python -m sdkiln.model_zoo.fmnist.train_classifier [--epochs 8] [--seed 0]``
+``python tools/fmnist/train_classifier.py [--epochs 8] [--seed 0]``
 
 Augmentation: random horizontal flips and shifts of up to two pixels on the 32x32 canvas (the
 garment stays inside the canvas's padding), so the classifier does not depend on exact centring,

@@ -1,6 +1,6 @@
 """Measure the embedded model: class accuracy, per-class accuracy and FD-FMNIST, plus a sample grid.
 
-``python -m sdkiln.model_zoo.fmnist.evaluate --steps 20 28 50 --per-class 20``
+``python tools/fmnist/measure.py --steps 20 28 50 --per-class 20``
 
 Each class is sampled from its canonical prompt (``text.eval_prompt``) with one generator per
 image, seeded ``seed + 1000 * class + index``, so every number here is reproducible. The grid
@@ -24,7 +24,7 @@ from sdkiln.model_zoo.fmnist.metrics import fd_fmnist, per_class_accuracy
 from sdkiln.model_zoo.fmnist.pipeline import DEFAULT_GUIDANCE, FmnistFluxPipeline, new_scheduler
 from sdkiln.model_zoo.fmnist.text import eval_prompt, load_text_encoder
 
-DEFAULT_GRID = Path(__file__).resolve().parents[3] / "docs" / "img" / "fmnist_samples.png"
+DEFAULT_GRID = Path(__file__).resolve().parents[2] / "docs" / "img" / "fmnist_samples.png"
 
 
 def generate(
