@@ -41,7 +41,6 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -163,16 +162,13 @@ def _run_ours(module: nn.Module, inverse_scale: torch.Tensor | None, num_steps: 
     if inverse_scale is not None:
         x = (x.float() * inverse_scale).to(x.dtype)
     stepped = [m for m in module.modules() if getattr(m, "needs_step", False)]
-    saved = [m.step_tracker for m in stepped]
     for m in stepped:
-        m.step_tracker = SimpleNamespace(
-            step=step, num_steps=num_steps
-        )  # what DenoisingStepTracker publishes
+        m.set_step(step, num_steps)  # what DenoisingStepTracker does before a call
     try:
         return module(x)
     finally:
-        for m, tracker in zip(stepped, saved, strict=True):
-            m.step_tracker = tracker
+        for m in stepped:
+            m.set_step(None, None)
 
 
 def our_layers(result, spec, num_steps: int) -> dict[str, Callable[[torch.Tensor, int], torch.Tensor]]:

@@ -77,7 +77,7 @@ def full_activation_grid(transformer: torch.nn.Module) -> int:
     how many it changed."""
     from sdkiln import kernels
 
-    layers = [m for m in transformer.modules() if isinstance(m, w8a8_dynamic.W8A8Linear)]
+    layers = [m for m in transformer.modules() if isinstance(m, w8a8_dynamic.W8A8DynamicLinear)]
     for layer in layers:
 
         def forward(x, layer=layer):
@@ -92,10 +92,10 @@ def full_activation_grid(transformer: torch.nn.Module) -> int:
 def grid(name: str):
     """Within the block, our W8A8_DYNAMIC and W8A16 modules quantize weights on grid ``name``."""
     to_grid = GRIDS[name]
-    originals = (w8a8_dynamic.W8A8Linear.from_linear, weight_only.W8A16Linear.from_linear)
+    originals = (w8a8_dynamic.W8A8DynamicLinear.from_linear, weight_only.W8A16Linear.from_linear)
 
     def regridded(from_linear):
-        def build(linear):
+        def build(linear, ranges=None):
             mod = from_linear(linear)
             values, scale = to_grid(linear.weight.detach().float())
             mod.weight.copy_(values)
@@ -104,12 +104,12 @@ def grid(name: str):
 
         return staticmethod(build)
 
-    w8a8_dynamic.W8A8Linear.from_linear = regridded(originals[0])
+    w8a8_dynamic.W8A8DynamicLinear.from_linear = regridded(originals[0])
     weight_only.W8A16Linear.from_linear = regridded(originals[1])
     try:
         yield
     finally:
-        w8a8_dynamic.W8A8Linear.from_linear = classmethod(originals[0].__func__)
+        w8a8_dynamic.W8A8DynamicLinear.from_linear = classmethod(originals[0].__func__)
         weight_only.W8A16Linear.from_linear = classmethod(originals[1].__func__)
 
 

@@ -24,7 +24,7 @@ def _quality_lines(q: dict[str, Any]) -> list[str]:
     ]
     for name in q:
         if f"base_{name}" in q:
-            lines.append(f"  {name}: original {q[f'base_{name}']:.4g}  optimized {q[name]:.4g}")
+            lines.append(f"  {name}: original {q[f'base_{name}']:#.4g}  optimized {q[name]:#.4g}")
     if "block_evaluations_ratio" in q:
         lines.append(
             f"  cache schedule: {q['block_evaluations_ratio']:.3f}x the block evaluations of the uncached run"

@@ -50,6 +50,15 @@ class RecipeStep:
     (a later step quantizes only the Linears an earlier one left), so recipe names, which carry no
     ``exclude``, combine at most one."""
 
+    def __new__(cls, *args: Any, **kwargs: Any):
+        moved = sorted(set(kwargs) & set(_LEGACY_STEP_COUNTS))
+        if moved:
+            raise RecipeError(
+                f"{cls.__name__}({moved[0]}=...): a recipe has one denoising step count, on its deployment: "
+                "RecipeConfig(..., deployment=Deployment(num_inference_steps=N))"
+            )
+        return super().__new__(cls)
+
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"kind": self.kind, "version": self.version}
         for f in dataclasses.fields(self):

@@ -59,7 +59,8 @@ COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotu
 class CompileConfig:
     """``torch.compile`` of the loaded transformer: ``backend``, ``mode``, ``fullgraph`` and
     ``dynamic`` as torch.compile takes them. The runtime's hooks decide outside the compiled region,
-    so a package compiles without graph breaks (``fullgraph=True`` holds that to account)."""
+    so quantized layers and a cache schedule compile without graph breaks; a guarded cache schedule
+    breaks once per reuse step (its check reads the device), so ``fullgraph=True`` refuses it."""
 
     backend: str = "inductor"
     mode: str | None = None

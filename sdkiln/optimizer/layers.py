@@ -34,9 +34,12 @@ class Target:
         return f"{self.layer}.linear" if self.smoothed else self.layer
 
 
-def select_layers(ctx: TransformContext, exclude: tuple[str, ...] = ()) -> tuple[list[Target], list[str]]:
+def select_layers(
+    ctx: TransformContext, exclude: tuple[str, ...] = (), *, required_by: str | None = None
+) -> tuple[list[Target], list[str]]:
     """(float layers to quantize, layer names kept in float). A smoothed layer may not stay float:
-    its ``div`` and ``linear`` have no runtime module without a quantization scheme."""
+    its ``div`` and ``linear`` have no runtime module without a quantization scheme. With
+    ``required_by`` (a recipe step kind), finding no layer is that step's error."""
     prefixes = ctx.spec.block_prefixes()
     chosen, kept, inner = [], [], set()
     for name, module in ctx.transformer.named_modules():
@@ -58,6 +61,11 @@ def select_layers(ctx: TransformContext, exclude: tuple[str, ...] = ()) -> tuple
             kept.append(name)
         else:
             chosen.append(Target(name, smoothed))
+    if required_by is not None and not chosen:
+        raise ValueError(
+            f"{required_by} found no float Linear layer inside the transformer blocks (outside the family's "
+            "float layers and the step's excludes)"
+        )
     return chosen, kept
 
 

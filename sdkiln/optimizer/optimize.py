@@ -19,6 +19,7 @@ from sdkiln.model_zoo.fingerprint import fingerprint
 from sdkiln.optimizer.evaluate import compare
 from sdkiln.optimizer.recipes import resolve_recipe
 from sdkiln.optimizer.registry import TransformContext, apply_transform
+from sdkiln.runtime.restore import CORE_FIELDS
 
 DEFAULT_EVAL_SAMPLES = 20
 
@@ -64,6 +65,10 @@ def _merge_files(files: dict[str, Any], new: dict[str, Any], kind: str) -> None:
 
 def _merge_sections(sections: dict[str, Any], new: dict[str, Any], kind: str) -> None:
     for name, entry in new.items():
+        if name in CORE_FIELDS or name == "modules":
+            raise ValueError(
+                f"recipe step {kind!r} returns a manifest section named {name!r}, a field of every package"
+            )
         if name in sections:
             raise ValueError(
                 f"recipe step {kind!r} writes the manifest section {name!r} an earlier step wrote"
@@ -107,6 +112,7 @@ def optimize(
     base_transformer = getattr(base, attr)
     optimized = type(base)(**{**base.components, attr: copy.deepcopy(base_transformer)})
     ctx = TransformContext(pipeline=optimized, spec=spec, forward_loop=forward_loop, recipe=recipe)
+    ctx.check_deployment()
     steps, modules, files, sections = [], {}, {}, {}
     for config in recipe.steps:
         result = apply_transform(ctx, config)

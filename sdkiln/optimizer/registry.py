@@ -10,6 +10,7 @@ from typing import Any
 from torch import nn
 
 from sdkiln.configs import Deployment, RecipeConfig, RecipeStep
+from sdkiln.errors import RecipeError
 from sdkiln.model_zoo import ModelSpec
 
 
@@ -42,6 +43,16 @@ class TransformContext:
             width=d.width,
             num_frames=d.num_frames,
         )
+
+    def check_deployment(self) -> None:
+        """Refuse a resolution setting the family's pipeline call does not take (``num_frames`` for
+        an image model)."""
+        for name in ("height", "width", "num_frames"):
+            if getattr(self.deployment, name) is not None and name not in self.spec.call_defaults:
+                raise RecipeError(
+                    f"the recipe deploys at {name}={getattr(self.deployment, name)}, but {self.spec.name} "
+                    f"calls its pipeline without {name}"
+                )
 
     @property
     def num_inference_steps(self) -> int:

@@ -14,8 +14,9 @@ one (img2img) and 0 otherwise. The run's step count is ``len(scheduler.timesteps
 it reads the scheduler of the pipeline it was attached to (``pipeline.scheduler`` at that moment, so
 a swapped scheduler is followed) and publishes ``step`` and ``num_steps``. Being a torch module
 hook under ``torch.compiler.disable``, it runs outside the compiled region when the transformer is
-``torch.compile``d, so reading the scheduler never enters a graph. Modules that need the step declare ``needs_step = True`` and
-get the tracker as ``module.step_tracker``.
+``torch.compile``d, so reading the scheduler never enters a graph. Modules that need the step declare ``needs_step = True``;
+``attach_step_tracker`` registers them and the tracker calls their ``set_step(step, num_steps)``
+before every call, so a compiled module reads the step only as what ``set_step`` made of it.
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ class DenoisingStepTracker:
         self._handle = None
         self.step: int | None = None
         self.num_steps: int | None = None
+        self.modules: list[nn.Module] = []
+        """The modules with ``needs_step``, told the step on every update."""
 
     @torch.compiler.disable
     def __call__(self, module: nn.Module, args) -> None:
@@ -66,6 +69,8 @@ class DenoisingStepTracker:
         if index is None:
             index = getattr(scheduler, "begin_index", None) or 0
         self.step, self.num_steps = int(index), len(timesteps)
+        for module in self.modules:
+            module.set_step(self.step, self.num_steps)
 
 
 def _unwrapped(transformer: nn.Module) -> nn.Module:
@@ -79,9 +84,9 @@ def step_tracker(transformer: nn.Module) -> DenoisingStepTracker | None:
 
 
 def attach_step_tracker(pipeline: Any, transformer_attr: str = "transformer") -> DenoisingStepTracker:
-    """Attach a tracker to the pipeline's transformer (or reuse the one there) and give it to every
-    module with ``needs_step``. Call it again after swapping in such modules, and after moving the
-    transformer into a new pipeline once the old one is gone."""
+    """Attach a tracker to the pipeline's transformer (or reuse the one there) and register every
+    module with ``needs_step`` with it. Call it again after swapping in such modules, and after moving
+    the transformer into a new pipeline once the old one is gone."""
     transformer = _unwrapped(getattr(pipeline, transformer_attr))
     tracker = step_tracker(transformer)
     if tracker is None:
@@ -95,9 +100,7 @@ def attach_step_tracker(pipeline: Any, transformer_attr: str = "transformer") ->
             "this transformer's step tracker follows another pipeline that still exists; "
             "detach_step_tracker(transformer) first"
         )
-    for module in transformer.modules():
-        if getattr(module, "needs_step", False):
-            module.step_tracker = tracker
+    tracker.modules = [m for m in transformer.modules() if getattr(m, "needs_step", False)]
     return tracker
 
 
@@ -109,9 +112,9 @@ def detach_step_tracker(transformer: nn.Module) -> None:
         return
     tracker._handle.remove()
     delattr(transformer, ATTRIBUTE)
-    for module in transformer.modules():
-        if getattr(module, "step_tracker", None) is tracker:
-            module.step_tracker = None
+    for module in tracker.modules:
+        module.set_step(None, None)
+    tracker.modules = []
 
 
 def needs_step_tracker(transformer: nn.Module) -> bool:

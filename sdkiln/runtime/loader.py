@@ -80,14 +80,6 @@ def load_weights(pkg: Package, model: nn.Module) -> nn.Module:
     return model.eval()
 
 
-def load_transformer(pkg: Package) -> nn.Module:
-    """Steps 2-4 alone: the package's transformer with its quantized modules and weights, on CPU."""
-    sections = restore.sections_of(pkg.manifest)
-    ctx = restore.RestoreContext(pkg, build_transformer(pkg))
-    restore.run_stage("build", sections, ctx)
-    return load_weights(pkg, ctx.transformer)
-
-
 def _assemble(pkg: Package, transformer: nn.Module):
     from diffusers import DiffusionPipeline
 

@@ -9,7 +9,7 @@ import pytest
 import sdkiln
 from sdkiln.errors import PackageError
 from sdkiln.export import atomic, package_writer
-from sdkiln.runtime import W8A8Linear, open_package
+from sdkiln.runtime import W8A8DynamicLinear, open_package
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +34,7 @@ def _rewrite_manifest(root, edit):
 def test_save_load_is_bit_identical(flux_result, assert_same_outputs):
     loaded = sdkiln.load(flux_result.package, device="cpu")
     t = loaded.transformer
-    assert sum(isinstance(m, W8A8Linear) for m in t.modules()) == len(flux_result.manifest["modules"])
+    assert sum(isinstance(m, W8A8DynamicLinear) for m in t.modules()) == len(flux_result.manifest["modules"])
     assert_same_outputs(flux_result, loaded)
 
 

@@ -10,10 +10,10 @@ from safetensors import safe_open
 import sdkiln
 from sdkiln.cli import main
 from sdkiln.errors import PackageError
-from sdkiln.runtime.quant.fp8_dynamic import FP8Linear
+from sdkiln.runtime.quant.fp8_dynamic import FP8DynamicLinear
 from sdkiln.runtime.quant.weight_only import W4A16Linear, W8A16Linear
 
-RECIPES = {"fp8-dynamic": FP8Linear, "w8a16": W8A16Linear, "w4a16": W4A16Linear}
+RECIPES = {"fp8-dynamic": FP8DynamicLinear, "w8a16": W8A16Linear, "w4a16": W4A16Linear}
 WEIGHTS = "transformer/diffusion_pytorch_model.safetensors"
 
 

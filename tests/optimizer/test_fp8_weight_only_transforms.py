@@ -8,7 +8,7 @@ from sdkiln.configs import FP8DynamicConfig, W4A16Config, W8A16Config
 from sdkiln.model_zoo import get_spec
 from sdkiln.optimizer.recipes import resolve_recipe
 from sdkiln.optimizer.registry import TransformContext, apply_transform
-from sdkiln.runtime.quant.fp8_dynamic import FP8Linear
+from sdkiln.runtime.quant.fp8_dynamic import FP8DynamicLinear
 from sdkiln.runtime.quant.weight_only import W4A16Linear, W8A16Linear
 
 
@@ -26,7 +26,7 @@ def test_named_recipes():
 @pytest.mark.parametrize(
     "config, cls, entry",
     [
-        (FP8DynamicConfig(), FP8Linear, {"scheme": "FP8_DYNAMIC"}),
+        (FP8DynamicConfig(), FP8DynamicLinear, {"scheme": "FP8_DYNAMIC"}),
         (W8A16Config(), W8A16Linear, {"scheme": "W8A16"}),
         (W4A16Config(group_size=64), W4A16Linear, {"scheme": "W4A16", "group_size": 64}),
     ],
@@ -80,7 +80,7 @@ def test_w4a16_with_nothing_divisible_is_an_error():
     ]
     with pytest.raises(
         ValueError,
-        match=r"w4a16 found no Linear .* \(\d+ cannot take it: in_features 64 is not a multiple of group_size 128\)",
+        match=r"w4a16 cannot take any of the \d+ layers it found: in_features 64 is not a multiple of group_size 128",
     ):
         apply_transform(ctx, W4A16Config(group_size=128, exclude=tuple(wide)))
 
@@ -92,5 +92,5 @@ def test_a_step_with_nothing_to_quantize_is_an_error():
         W8A16Config(exclude=("*",)),
         W4A16Config(exclude=("*",)),
     ):
-        with pytest.raises(ValueError, match=f"{config.kind} found no Linear layer"):
+        with pytest.raises(ValueError, match=f"{config.kind} found no float Linear layer"):
             apply_transform(ctx, config)

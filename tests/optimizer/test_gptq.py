@@ -17,7 +17,7 @@ from sdkiln.kernels.int4 import unpack_int4
 from sdkiln.optimizer.quant.gptq import expand_scale, gptq_round, output_error
 from sdkiln.optimizer.recipes import resolve_recipe
 from sdkiln.runtime.package import open_package
-from sdkiln.runtime.quant.w8a8_dynamic import W8A8Linear, int8_weight
+from sdkiln.runtime.quant.w8a8_dynamic import W8A8DynamicLinear, int8_weight
 from sdkiln.runtime.quant.weight_only import W4A16Linear, W8A16Linear
 
 # Tolerances, stated once. Integer results and package round trips are exact (torch.equal). The
@@ -138,7 +138,7 @@ def test_config_and_recipe_names():
 
 
 SCHEMES = {
-    "w8a8-dynamic": (W8A8DynamicConfig, W8A8Linear),
+    "w8a8-dynamic": (W8A8DynamicConfig, W8A8DynamicLinear),
     "w8a16": (W8A16Config, W8A16Linear),
     "w4a16": (W4A16Config, W4A16Linear),
 }

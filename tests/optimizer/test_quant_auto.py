@@ -30,7 +30,7 @@ from sdkiln.optimizer.recipes import resolve_recipe
 from sdkiln.optimizer.registry import TransformContext, apply_transform
 from sdkiln.runtime.package import open_package
 from sdkiln.runtime.quant import Ranges, by_recipe_kind
-from sdkiln.runtime.quant.w8a8_dynamic import W8A8Linear
+from sdkiln.runtime.quant.w8a8_dynamic import W8A8DynamicLinear
 from sdkiln.runtime.quant.w8a8_static import W8A8StaticLinear
 
 # int8's usual layer floor; flux-tiny's random-weight layers measure 36-42 dB static and 37-44 dB
@@ -84,7 +84,7 @@ def test_the_spiked_layer_falls_back_to_dynamic_and_every_other_layer_stays_stat
         first = next((s for s in ("w8a8_static", "w8a8_dynamic") if entry["sqnr_db"][s] >= FLOOR_DB), FLOAT)
         assert entry["choice"] == first, layer
         assert entry["choice"] == ("w8a8_dynamic" if layer == SPIKED else "w8a8_static"), layer
-        expected = W8A8Linear if layer == SPIKED else W8A8StaticLinear
+        expected = W8A8DynamicLinear if layer == SPIKED else W8A8StaticLinear
         assert type(pipe.transformer.get_submodule(layer)) is expected
         assert result.modules[layer] == {"scheme": SCHEME[entry["choice"]]}
     n = len(plan)
@@ -102,7 +102,7 @@ def test_without_a_fallback_or_under_an_impossible_floor_layers_stay_float(spec)
     with pytest.warns(UserWarning, match="no layer reached 1000.0 dB"):
         pipe, result = run_step(spec, QuantAutoConfig(**{**ONE_SAMPLE, "sqnr_floor_db": 1000.0}))
     assert result.modules == {} and result.record["counts"][FLOAT] == len(result.record["plan"])
-    assert not any(type(m) in (W8A8Linear, W8A8StaticLinear) for m in pipe.transformer.modules())
+    assert not any(type(m) in (W8A8DynamicLinear, W8A8StaticLinear) for m in pipe.transformer.modules())
 
 
 def test_recorded_sqnr_is_the_sqnr_of_the_layer_on_its_held_out_inputs(spec, default_plan):
@@ -123,7 +123,7 @@ def test_recorded_sqnr_is_the_sqnr_of_the_layer_on_its_held_out_inputs(spec, def
         with torch.no_grad():
             ref = F.linear(x, linear.weight, linear.bias)
             static = W8A8StaticLinear.from_linear(linear, Ranges(lo, hi))(x)
-            dynamic = W8A8Linear.from_linear(linear)(x)
+            dynamic = W8A8DynamicLinear.from_linear(linear)(x)
         assert abs(measured["w8a8_static"] - sqnr_db(ref, static)) < SQNR_TOL_DB
         assert abs(measured["w8a8_dynamic"] - sqnr_db(ref, dynamic)) < SQNR_TOL_DB
 
@@ -161,7 +161,7 @@ def test_the_sensitivity_pass_keeps_no_activations(spec):
         return {
             n: LayerSensitivity(
                 pipe.transformer.get_submodule(n),
-                {"w8a8_dynamic": W8A8Linear.from_linear(pipe.transformer.get_submodule(n))},
+                {"w8a8_dynamic": W8A8DynamicLinear.from_linear(pipe.transformer.get_submodule(n))},
             )
             for n in names
         }

@@ -112,8 +112,12 @@ def test_one_denoising_step_count_per_recipe():
         RecipeConfig.from_dict(
             {"deployment": {"num_inference_steps": 4}, "steps": [{"kind": "cache_auto", "steps": 6}]}
         )
-    with pytest.raises(TypeError, match="unexpected keyword argument 'steps'"):
+    with pytest.raises(
+        RecipeError, match=r"CacheAutoConfig\(steps=...\): a recipe has one denoising step count"
+    ):
         CacheAutoConfig(steps=6)  # the Python API has one home for it: RecipeConfig(deployment=...)
+    with pytest.raises(RecipeError, match="deployment=Deployment"):
+        W8A8StaticConfig(calib_steps=6)
     with pytest.raises(RecipeError, match="deploys at num_inference_steps=6 but the optimize call says 5"):
         recipe.deployment.merged(Deployment(num_inference_steps=5), "the optimize call")
 

@@ -155,7 +155,7 @@ def test_before_w8a8_dynamic_alpha_is_scored_per_token_and_the_package_round_tri
     import sdkiln
     from sdkiln.configs import W8A8DynamicConfig
     from sdkiln.optimizer.evaluate import generate
-    from sdkiln.runtime.quant.w8a8_dynamic import W8A8Linear
+    from sdkiln.runtime.quant.w8a8_dynamic import W8A8DynamicLinear
 
     pipe = spec.build()
     with torch.no_grad():  # the outlier channel of the test above
@@ -180,7 +180,9 @@ def test_before_w8a8_dynamic_alpha_is_scored_per_token_and_the_package_round_tri
     smoothed = [n for n, e in modules.items() if e.get("smooth")]
     assert smoothed and set(smoothed) == set(result.manifest["recipe"]["steps"][0]["result"]["mul_scale"])
     loaded = sdkiln.load(result.package, device="cpu")
-    assert all(isinstance(loaded.transformer.get_submodule(f"{n}.linear"), W8A8Linear) for n in smoothed)
+    assert all(
+        isinstance(loaded.transformer.get_submodule(f"{n}.linear"), W8A8DynamicLinear) for n in smoothed
+    )
     call = spec.call_kwargs()
     prompts, seeds = list(spec.eval_prompts[:2]), [3, 4]
     img_mem, lat_mem = generate(result.pipeline, call, prompts, seeds)

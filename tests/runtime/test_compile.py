@@ -8,7 +8,7 @@ from torch._dynamo.utils import counters
 from torch._inductor.compile_fx import compile_fx
 
 import sdkiln
-from sdkiln.configs import CacheAutoConfig, QuantAutoConfig, RecipeConfig
+from sdkiln.configs import CacheAutoConfig, Deployment, QuantAutoConfig, RecipeConfig, W8A8TimestepConfig
 from sdkiln.metrics import psnr, rel_l2
 from sdkiln.optimizer.evaluate import generate
 
@@ -92,3 +92,23 @@ def test_the_default_recipe_on_the_embedded_model_compiles_without_graph_breaks(
     assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
     assert len(graphs) <= 3 * len(actions), (len(graphs), actions)
     assert psnr(eager, compiled).min() >= COMPILED_VS_EAGER_MIN_PSNR_DB
+
+
+def test_per_step_layers_compile_one_graph_per_phase_whatever_the_step_count(tmp_path):
+    """W8A8_TIMESTEP at 12 denoising steps: its row index and its dynamic/static phase come from
+    the step tracker as a tensor and a flag, so the graphs are the two phases, not the twelve steps
+    (dynamo's default limit of 8 recompiles would have sent a 28-step run back to eager)."""
+    recipe = RecipeConfig(
+        "ts", [W8A8TimestepConfig(calib_samples=1, dynamic_steps=(3,))], Deployment(num_inference_steps=12)
+    )
+    sdkiln.optimize("flux-tiny", recipe, tmp_path / "pkg", eval_samples=0)
+    pipe = sdkiln.load(tmp_path / "pkg", device="cpu")
+    call = dict(pipe.sdkiln_manifest["call"]["defaults"])
+    _, eager = generate(pipe, call, ["a cat"], [0])
+    graphs = []
+    torch._dynamo.reset()
+    counters.clear()
+    pipe.transformer = torch.compile(pipe.transformer, backend=lambda gm, ex: graphs.append(gm) or gm.forward)
+    _, compiled = generate(pipe, call, ["a cat"], [0])
+    assert sum(counters["graph_break"].values()) == 0 and len(graphs) == 2
+    assert torch.equal(eager, compiled)

@@ -1,4 +1,4 @@
-"""FP8Linear, W8A16Linear and W4A16Linear: close to the float layer, Ascend tensor names and dtypes,
+"""FP8DynamicLinear, W8A16Linear and W4A16Linear: close to the float layer, Ascend tensor names and dtypes,
 and an exact rebuild from their state dict on the meta device, as the loader does."""
 
 import pytest
@@ -8,7 +8,7 @@ from torch import nn
 from sdkiln.kernels.int4 import unpack_int4
 from sdkiln.metrics import sqnr_db
 from sdkiln.runtime.quant import quant_module, scheme_classes
-from sdkiln.runtime.quant.fp8_dynamic import FP8Linear
+from sdkiln.runtime.quant.fp8_dynamic import FP8DynamicLinear
 from sdkiln.runtime.quant.weight_only import W4A16Linear, W8A16Linear
 
 # Layer output SQNR against the float layer: Gaussian weights (std 0.05) and inputs, K=512, N=192.
@@ -16,7 +16,7 @@ from sdkiln.runtime.quant.weight_only import W4A16Linear, W8A16Linear
 SQNR_FLOOR_DB = {"fp8": 26.0, "w8a16": 38.0, "w4a16-g64": 17.0, "w4a16-g128": 16.0}
 
 BUILDERS = {
-    "fp8": FP8Linear.from_linear,
+    "fp8": FP8DynamicLinear.from_linear,
     "w8a16": W8A16Linear.from_linear,
     "w4a16-g64": lambda linear: W4A16Linear.from_linear(linear, group_size=64),
     "w4a16-g128": lambda linear: W4A16Linear.from_linear(linear, group_size=128),

@@ -12,7 +12,7 @@ from sdkiln.errors import StepError
 from sdkiln.model_zoo import get_spec
 from sdkiln.optimizer.registry import TransformContext, apply_transform
 from sdkiln.runtime.quant import Ranges
-from sdkiln.runtime.quant.w8a8_dynamic import W8A8Linear
+from sdkiln.runtime.quant.w8a8_dynamic import W8A8DynamicLinear
 from sdkiln.runtime.quant.w8a8_static import W8A8StaticLinear
 from sdkiln.runtime.quant.w8a8_timestep import W8A8TimestepLinear
 
@@ -42,25 +42,24 @@ def spy(monkeypatch):
     return spy_state
 
 
-def layer_with_tracker():
+def calibrated_layer():
     torch.manual_seed(0)
     linear = nn.Linear(32, 16)
     lo, hi = -torch.rand(STEPS) * 4 - 0.5, torch.rand(STEPS) * 4 + 0.5
     layer = W8A8TimestepLinear.from_linear(linear, Ranges(step_min=lo, step_max=hi), dynamic_steps=DYNAMIC)
-    layer.step_tracker = SimpleNamespace(step=0, num_steps=STEPS)
     return linear, lo, hi, layer
 
 
 def test_each_step_runs_the_dynamic_path_or_its_own_static_row(spy):
-    linear, lo, hi, layer = layer_with_tracker()
+    linear, lo, hi, layer = calibrated_layer()
     x = torch.randn(3, 5, 32)
     for t in range(STEPS):
-        layer.step_tracker.step = t
+        layer.set_step(t, STEPS)  # what the step tracker does before each transformer call
         spy.calls.clear()
         with torch.no_grad():
             y = layer(x)
             expected = (
-                W8A8Linear.from_linear(linear)(x)
+                W8A8DynamicLinear.from_linear(linear)(x)
                 if t < DYNAMIC
                 else W8A8StaticLinear.from_linear(linear, Ranges(float(lo[t]), float(hi[t])))(x)
             )
@@ -72,15 +71,17 @@ def test_each_step_runs_the_dynamic_path_or_its_own_static_row(spy):
 
 
 def test_wrong_step_count_missing_tracker_and_out_of_range_step_are_refused():
-    _, _, _, layer = layer_with_tracker()
+    _, _, _, layer = calibrated_layer()
     x = torch.randn(2, 32)
-    layer.step_tracker.num_steps = 8
+    with pytest.raises(StepError, match="needs the denoising step"):
+        layer(x)
     with pytest.raises(StepError, match="calibrated for 4 denoising steps but the pipeline runs 8"):
-        layer(x)
-    layer.step_tracker = SimpleNamespace(step=4, num_steps=STEPS)
+        layer.set_step(0, 8)
     with pytest.raises(StepError, match="outside the 4 calibrated steps"):
-        layer(x)
-    layer.step_tracker = None
+        layer.set_step(4, STEPS)
+    layer.set_step(1, STEPS)
+    layer(x)
+    layer.set_step(None, None)  # detached: the step is unknown again
     with pytest.raises(StepError, match="needs the denoising step"):
         layer(x)
 

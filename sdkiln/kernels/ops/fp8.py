@@ -78,8 +78,9 @@ def fp8_linear_reference(
 
     ``acc = x_q @ weight.T`` is exact (``fp8_matmul``, K <= 2**17) and rounded once to fp32. Then,
     in fp32 and in this order: ``y = (acc * x_scale) * weight_scale.T``, ``y = y + float(bias)``,
-    and one rounding to out_dtype, as ``w8a8_linear``. A fused kernel (``torch._scaled_mm`` with
-    row-wise scales, which accumulates in fp32) matches this to fp32 accumulation error.
+    and one rounding to out_dtype, as ``w8a8_linear``. A fused kernel matches this to within its
+    accumulation's precision (``sdkiln.kernels.cuda.scaled_mm``: Hopper's fp8 tensor cores
+    accumulate with fewer bits than fp32).
     """
     check_fp8_linear(x_q, x_scale, weight, weight_scale)
     lead = x_q.shape[:-1]

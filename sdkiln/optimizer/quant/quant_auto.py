@@ -27,6 +27,7 @@ recorded under ``not_applicable`` with the reason and is not chosen.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import Any
 
@@ -49,11 +50,16 @@ SQNR_CAP_DB = 100.0
 """An error-free candidate has infinite SQNR; the record caps it here so the JSON stays standard."""
 
 
+@functools.cache
+def _default_params(kind: str) -> dict[str, Any]:
+    return RECIPE_STEPS[kind]().module_params()
+
+
 def build_candidate(kind: str, linear: nn.Linear, ranges: InputObserver | None) -> nn.Module:
     """Scheme ``kind``'s runtime module for one layer, from the float layer and its input ranges,
     with the parameters of that kind's default recipe step (W4A16's group size); a W8A8_TIMESTEP
     candidate runs static at every step (``dynamic_steps`` 0)."""
-    return by_recipe_kind()[kind].from_linear(linear, ranges, **RECIPE_STEPS[kind]().module_params())
+    return by_recipe_kind()[kind].from_linear(linear, ranges, **_default_params(kind))
 
 
 class LayerSensitivity:
@@ -91,13 +97,13 @@ def sensitivity_pass(
         stepped = [
             m for s in layers.values() for m in s.candidates.values() if getattr(m, "needs_step", False)
         ]
-        for module in stepped:
-            module.step_tracker = tracker
+        tracker.modules += stepped  # the candidates run beside the model: tell them the step too
         try:
             forward_loop(pipeline)
         finally:
+            tracker.modules = tracker.modules[: len(tracker.modules) - len(stepped)]
             for module in stepped:
-                module.step_tracker = None
+                module.set_step(None, None)
     for name, sens in layers.items():
         if sens.num_steps is None:
             raise ValueError(
@@ -126,12 +132,10 @@ def candidate_modules(
 @register_transform(QuantAutoConfig)
 def apply_quant_auto(ctx: TransformContext, config: QuantAutoConfig) -> TransformResult:
     model = ctx.transformer
-    targets, kept = select_layers(ctx, config.exclude)
+    targets, kept = select_layers(ctx, config.exclude, required_by=config.kind)
     if any(t.smoothed for t in targets):
         raise ValueError("quant_auto does not take smoothed layers; smoothquant prepares one int8 scheme")
     layers = [t.layer for t in targets]
-    if not layers:
-        raise ValueError("quant_auto found no Linear layer to quantize inside the transformer blocks")
     order = (config.scheme, *config.fallbacks)
     classes = [by_recipe_kind()[kind] for kind in order]
     ranges, range_record, files = {}, None, {}

@@ -212,9 +212,7 @@ def apply_smoothing(model: nn.Module, group: Group, s: torch.Tensor) -> None:
 @register_transform(SmoothQuantConfig)
 def apply_smoothquant(ctx: TransformContext, config: SmoothQuantConfig) -> TransformResult:
     model = ctx.transformer
-    targets, kept = select_layers(ctx, config.exclude)
-    if not targets:
-        raise ValueError("smoothquant found no Linear layer to smooth inside the transformer blocks")
+    targets, kept = select_layers(ctx, config.exclude, required_by=config.kind)
     if any(t.smoothed for t in targets):
         raise ValueError("the model is already smoothed; apply smoothquant once")
     layers = [t.layer for t in targets]

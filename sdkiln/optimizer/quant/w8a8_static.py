@@ -18,9 +18,7 @@ from sdkiln.runtime.quant.w8a8_static import W8A8StaticLinear
 @register_transform(W8A8StaticConfig)
 def apply_w8a8_static(ctx: TransformContext, config: W8A8StaticConfig) -> TransformResult:
     model = ctx.transformer
-    targets, kept = select_layers(ctx, config.exclude)
-    if not targets:
-        raise ValueError("w8a8_static found no Linear layer to quantize inside the transformer blocks")
+    targets, kept = select_layers(ctx, config.exclude, required_by=config.kind)
     observers, record = calibrate(ctx, [t.linear for t in targets], config.calib_samples)
     modules = {}
     for target in targets:

@@ -43,9 +43,7 @@ def window_range(
 @register_transform(W8A8TimestepConfig)
 def apply_w8a8_timestep(ctx: TransformContext, config: W8A8TimestepConfig) -> TransformResult:
     model = ctx.transformer
-    targets, kept = select_layers(ctx, config.exclude)
-    if not targets:
-        raise ValueError("w8a8_timestep found no Linear layer to quantize inside the transformer blocks")
+    targets, kept = select_layers(ctx, config.exclude, required_by=config.kind)
     observers, record = calibrate(ctx, [t.linear for t in targets], config.calib_samples)
     by_layer = {t.layer: observers[t.linear] for t in targets}
     require_every_step(ctx, by_layer)

@@ -29,7 +29,7 @@ from sdkiln.runtime.quant import by_recipe_kind
 def apply_weight_scheme(ctx: TransformContext, config: QuantStep) -> TransformResult:
     cls = by_recipe_kind()[config.kind]
     model, params = ctx.transformer, config.module_params()
-    targets, kept = select_layers(ctx, config.exclude)
+    targets, kept = select_layers(ctx, config.exclude, required_by=config.kind)
     built, not_applicable = {}, {}
     for target in targets:
         try:
@@ -41,13 +41,9 @@ def apply_weight_scheme(ctx: TransformContext, config: QuantStep) -> TransformRe
                 ) from None
             not_applicable[target.layer] = str(exc)
     if not built:
-        why = (
-            f" ({len(not_applicable)} cannot take it: {next(iter(not_applicable.values()))})"
-            if not_applicable
-            else ""
-        )
         raise ValueError(
-            f"{config.kind} found no Linear layer to quantize inside the transformer blocks{why}"
+            f"{config.kind} cannot take any of the {len(not_applicable)} layers it found: "
+            f"{next(iter(not_applicable.values()))}"
         )
     if not_applicable:
         names = sorted(not_applicable)

@@ -13,9 +13,12 @@ Tensors (Ascend names; T = ``num_steps``): ``weight`` int8 [N, K]; ``weight_scal
 fp32 [T, 1], ``deq_scale`` fp32 [T, N] and ``quant_bias`` int32 [T, N] for the static steps (every
 row is calibrated, also those the policy runs dynamically); ``bias`` in the model dtype [N].
 
-The step comes from the pipeline's scheduler through ``sdkiln.runtime.denoising`` (``sdkiln.load``
-attaches it). A run whose step count differs from ``num_steps`` is refused: row t of a 4-step
-calibration does not describe step t of an 8-step run.
+The step comes from the pipeline's scheduler: ``sdkiln.runtime.denoising``'s tracker (``sdkiln.load``
+attaches it) calls ``set_step`` before every transformer call, outside any compiled region. A run
+whose step count differs from ``num_steps`` is refused there: row t of a 4-step calibration does
+not describe step t of an 8-step run. The forward reads the step only as a one-element index tensor
+and a "dynamic" flag, so a compiled transformer has one graph for the dynamic steps and one for the
+static ones, whatever the step count.
 """
 
 from __future__ import annotations
@@ -61,7 +64,9 @@ class W8A8TimestepLinear(QuantLinear):
                 f"need num_steps >= 1 and 0 <= dynamic_steps <= num_steps, got {num_steps}, {dynamic_steps}"
             )
         self.num_steps, self.dynamic_steps = num_steps, dynamic_steps
-        self.step_tracker = None
+        self._dynamic: bool | None = None
+        self._row: torch.Tensor | None = None
+        self._steps: torch.Tensor | None = None
         f32 = dict(dtype=torch.float32, device=device)
         self.register_buffer(
             "weight", torch.empty(out_features, in_features, dtype=torch.int8, device=device)
@@ -113,27 +118,41 @@ class W8A8TimestepLinear(QuantLinear):
     def params(self) -> dict:
         return {"num_steps": self.num_steps, "dynamic_steps": self.dynamic_steps}
 
-    def current_step(self) -> int:
-        tracker = self.step_tracker
-        if tracker is None:
+    def set_step(self, step: int | None, num_steps: int | None) -> None:
+        """The denoising step of the next calls and the run's step count; None unbinds the layer."""
+        if step is None:
+            self._dynamic = self._row = None
+            return
+        if num_steps != self.num_steps:
+            raise StepError(
+                f"this model's W8A8_TIMESTEP layers were calibrated for {self.num_steps} denoising steps but the "
+                f"pipeline runs {num_steps}: run it with num_inference_steps={self.num_steps}, or optimize again "
+                f"for {num_steps} (sdkiln optimize --steps {num_steps})"
+            )
+        if not 0 <= step < self.num_steps:
+            raise StepError(f"denoising step {step} is outside the {self.num_steps} calibrated steps")
+        device = self.input_scale.device
+        if self._steps is None or self._steps.device != device:
+            self._steps = torch.arange(self.num_steps, device=device)
+        self._dynamic, self._row = runs_dynamic(step, self.dynamic_steps), self._steps[step : step + 1]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._dynamic is None:
             raise StepError(
                 "a W8A8_TIMESTEP layer needs the denoising step: load the package with sdkiln.load, or call "
                 "sdkiln.runtime.denoising.attach_step_tracker(pipeline) after building the pipeline yourself"
             )
-        if tracker.num_steps != self.num_steps:
-            raise StepError(
-                f"this model's W8A8_TIMESTEP layers were calibrated for {self.num_steps} denoising steps but the "
-                f"pipeline runs {tracker.num_steps}: run it with num_inference_steps={self.num_steps}, or "
-                f"optimize again with calib_steps={tracker.num_steps}"
-            )
-        if not 0 <= tracker.step < self.num_steps:
-            raise StepError(f"denoising step {tracker.step} is outside the {self.num_steps} calibrated steps")
-        return tracker.step
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        t = self.current_step()
-        if runs_dynamic(t, self.dynamic_steps):
+        if self._dynamic:
             x_q, x_scale = kernels.quantize_per_token_int8(x)
             return kernels.w8a8_linear(x_q, x_scale, self.weight, self.weight_scale, self.bias, x.dtype)
-        x_q = kernels.quantize_per_tensor_int8(x, self.input_scale[t], self.input_offset[t])
-        return kernels.w8a8_static_linear(x_q, self.weight, self.deq_scale[t], self.quant_bias[t], x.dtype)
+        row, n = self._row, self.out_features
+        scale, offset = (
+            self.input_scale.index_select(0, row).reshape(1),
+            self.input_offset.index_select(0, row).reshape(1),
+        )
+        x_q = kernels.quantize_per_tensor_int8(x, scale, offset)
+        deq, quant_bias = (
+            self.deq_scale.index_select(0, row).reshape(n),
+            self.quant_bias.index_select(0, row).reshape(n),
+        )
+        return kernels.w8a8_static_linear(x_q, self.weight, deq, quant_bias, x.dtype)
