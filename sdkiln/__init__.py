@@ -1,7 +1,8 @@
 """sdkiln: optimize diffusion models offline into packages; load and run them with a thin runtime.
 
-``import sdkiln`` is light: the offline job (``optimize``) and the runtime (``load``) import on
-first use, and neither triton nor torch_npu is imported unless a kernel for them is asked for.
+``import sdkiln`` is light: the offline job (``optimize``), the runtime (``load``) and the config
+classes import on first use, and neither triton nor torch_npu is imported unless a kernel for them
+is asked for.
 """
 
 from __future__ import annotations
@@ -10,10 +11,20 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = ["optimize", "load", "RecipeConfig", "W8A8DynamicConfig", "__version__"]
+__all__ = [
+    "optimize",
+    "load",
+    "RecipeConfig",
+    "Deployment",
+    "CompileConfig",
+    "ParallelConfig",
+    "W8A8DynamicConfig",
+    "__version__",
+]
+_CONFIGS = __all__[2:-1]
 
 if TYPE_CHECKING:
-    from sdkiln.configs import RecipeConfig, W8A8DynamicConfig
+    from sdkiln.configs import CompileConfig, Deployment, ParallelConfig, RecipeConfig, W8A8DynamicConfig
     from sdkiln.optimizer import optimize
     from sdkiln.runtime import load
 
@@ -27,7 +38,7 @@ def __getattr__(name: str) -> Any:
         from sdkiln.runtime import load
 
         return load
-    if name in ("RecipeConfig", "W8A8DynamicConfig"):
+    if name in _CONFIGS:
         from sdkiln import configs
 
         return getattr(configs, name)
