@@ -1,5 +1,5 @@
-"""Elementwise ops: ``gelu_tanh`` and ``mul_add`` (a gated residual), and the output and broadcast
-rules every float op shares."""
+"""Elementwise ops: ``gelu_tanh`` and ``mul_add`` (a gated residual), and the rules ops share: the
+output rule, broadcasting, and the operands of a quantized matmul."""
 
 from __future__ import annotations
 
@@ -21,6 +21,25 @@ def check_broadcast(op: str, x: Tensor, *operands: Tensor) -> None:
     if shape != x.shape:
         raise ValueError(
             f"{op}: operands {[tuple(t.shape) for t in operands]} broadcast x {tuple(x.shape)} to {tuple(shape)}"
+        )
+
+
+def check_quantized_matmul(
+    op: str, x_q: Tensor, weight: Tensor, max_k: int, why: str, dtypes: list[tuple[str, Tensor, torch.dtype]]
+) -> None:
+    """The rules every quantized linear shares: each ``(name, tensor, dtype)`` in ``dtypes`` has its
+    dtype; the weight is [N, K] with K = x_q.shape[-1]; K is at most ``max_k``, beyond which ``why``."""
+    for name, t, dtype in dtypes:
+        if t.dtype != dtype:
+            raise ValueError(f"{op}: {name} must be {dtype}, got {t.dtype}")
+    if weight.dim() != 2 or x_q.shape[-1] != weight.shape[1]:
+        raise ValueError(
+            f"{op}: weight must be [N, K] with K = x_q.shape[-1]; got x_q {tuple(x_q.shape)}, "
+            f"weight {tuple(weight.shape)}"
+        )
+    if x_q.shape[-1] > max_k:
+        raise ValueError(
+            f"{op}: K={x_q.shape[-1]} exceeds {max_k}, beyond which {why}; split the layer along K"
         )
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from sdkiln.kernels.ops.elementwise import contiguous_as
+from sdkiln.kernels.ops.elementwise import check_quantized_matmul, contiguous_as
 from sdkiln.kernels.registry import define
 
 # e4m3fn's largest finite value, and the largest K for which fp8_matmul's fp64 sum is exact.
@@ -42,24 +42,19 @@ def fp8_matmul(a: Tensor, b: Tensor) -> Tensor:
 
 def check_fp8_linear(x_q: Tensor, x_scale: Tensor, weight: Tensor, weight_scale: Tensor) -> None:
     """Shape and dtype rules of ``fp8_linear``; shared with its fake."""
-    for name, t, dtype in [
-        ("x_q", x_q, torch.float8_e4m3fn),
-        ("weight", weight, torch.float8_e4m3fn),
-        ("x_scale", x_scale, torch.float32),
-        ("weight_scale", weight_scale, torch.float32),
-    ]:
-        if t.dtype != dtype:
-            raise ValueError(f"fp8_linear: {name} must be {dtype}, got {t.dtype}")
-    if weight.dim() != 2 or x_q.shape[-1] != weight.shape[1]:
-        raise ValueError(
-            f"fp8_linear: weight must be [N, K] with K = x_q.shape[-1]; got x_q {tuple(x_q.shape)}, "
-            f"weight {tuple(weight.shape)}"
-        )
-    if x_q.shape[-1] > FP8_MAX_K:
-        raise ValueError(
-            f"fp8_linear: K={x_q.shape[-1]} exceeds {FP8_MAX_K}, beyond which the fp64 accumulation is "
-            "no longer exact; split the layer along K"
-        )
+    check_quantized_matmul(
+        "fp8_linear",
+        x_q,
+        weight,
+        FP8_MAX_K,
+        "the fp64 accumulation is no longer exact",
+        [
+            ("x_q", x_q, torch.float8_e4m3fn),
+            ("weight", weight, torch.float8_e4m3fn),
+            ("x_scale", x_scale, torch.float32),
+            ("weight_scale", weight_scale, torch.float32),
+        ],
+    )
     if tuple(x_scale.shape) != (*x_q.shape[:-1], 1):
         raise ValueError(f"fp8_linear: x_scale must be [..., 1] of x_q's rows, got {tuple(x_scale.shape)}")
     if tuple(weight_scale.shape) != (weight.shape[0], 1):

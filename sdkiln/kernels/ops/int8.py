@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from sdkiln.kernels.ops.elementwise import contiguous_as
+from sdkiln.kernels.ops.elementwise import check_quantized_matmul, contiguous_as
 from sdkiln.kernels.registry import define
 
 INT8_QMAX = 127
@@ -62,24 +62,19 @@ def int8_matmul(a: Tensor, b: Tensor) -> Tensor:
 
 def check_w8a8_linear(x_q: Tensor, x_scale: Tensor, weight: Tensor, weight_scale: Tensor) -> None:
     """Shape and dtype rules of ``w8a8_linear``; shared with its fake so torch.compile sees them too."""
-    for name, t, dtype in [
-        ("x_q", x_q, torch.int8),
-        ("weight", weight, torch.int8),
-        ("x_scale", x_scale, torch.float32),
-        ("weight_scale", weight_scale, torch.float32),
-    ]:
-        if t.dtype != dtype:
-            raise ValueError(f"w8a8_linear: {name} must be {dtype}, got {t.dtype}")
-    if weight.dim() != 2 or x_q.shape[-1] != weight.shape[1]:
-        raise ValueError(
-            f"w8a8_linear: weight must be [N, K] with K = x_q.shape[-1]; got x_q {tuple(x_q.shape)}, "
-            f"weight {tuple(weight.shape)}"
-        )
-    if x_q.shape[-1] > W8A8_MAX_K:
-        raise ValueError(
-            f"w8a8_linear: K={x_q.shape[-1]} exceeds {W8A8_MAX_K}, beyond which the int32 accumulator "
-            "can overflow; split the layer along K"
-        )
+    check_quantized_matmul(
+        "w8a8_linear",
+        x_q,
+        weight,
+        W8A8_MAX_K,
+        "the int32 accumulator can overflow",
+        [
+            ("x_q", x_q, torch.int8),
+            ("weight", weight, torch.int8),
+            ("x_scale", x_scale, torch.float32),
+            ("weight_scale", weight_scale, torch.float32),
+        ],
+    )
     if tuple(x_scale.shape) != (*x_q.shape[:-1], 1):
         raise ValueError(f"w8a8_linear: x_scale must be [..., 1] of x_q's rows, got {tuple(x_scale.shape)}")
     if weight_scale.numel() != weight.shape[0] or weight_scale.dim() not in (1, 2):
@@ -133,23 +128,19 @@ def quantize_per_tensor_int8_reference(x: Tensor, scale: Tensor, offset: Tensor)
 
 def check_w8a8_static_linear(x_q: Tensor, weight: Tensor, deq_scale: Tensor, quant_bias: Tensor) -> None:
     """Shape and dtype rules of ``w8a8_static_linear``; shared with its fake."""
-    for name, t, dtype in [
-        ("x_q", x_q, torch.int8),
-        ("weight", weight, torch.int8),
-        ("deq_scale", deq_scale, torch.float32),
-        ("quant_bias", quant_bias, torch.int32),
-    ]:
-        if t.dtype != dtype:
-            raise ValueError(f"w8a8_static_linear: {name} must be {dtype}, got {t.dtype}")
-    if weight.dim() != 2 or x_q.shape[-1] != weight.shape[1]:
-        raise ValueError(
-            f"w8a8_static_linear: weight must be [N, K] with K = x_q.shape[-1]; got x_q {tuple(x_q.shape)}, "
-            f"weight {tuple(weight.shape)}"
-        )
-    if x_q.shape[-1] > W8A8_MAX_K:
-        raise ValueError(
-            f"w8a8_static_linear: K={x_q.shape[-1]} exceeds {W8A8_MAX_K}; split the layer along K"
-        )
+    check_quantized_matmul(
+        "w8a8_static_linear",
+        x_q,
+        weight,
+        W8A8_MAX_K,
+        "the int32 accumulator can overflow",
+        [
+            ("x_q", x_q, torch.int8),
+            ("weight", weight, torch.int8),
+            ("deq_scale", deq_scale, torch.float32),
+            ("quant_bias", quant_bias, torch.int32),
+        ],
+    )
     n = weight.shape[0]
     if tuple(deq_scale.shape) != (n,) or tuple(quant_bias.shape) != (n,):
         raise ValueError(
