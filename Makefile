@@ -12,7 +12,7 @@ export OMP_NUM_THREADS ?= 1
 export HF_HUB_OFFLINE := 1
 export TORCH_DEVICE_BACKEND_AUTOLOAD := 0
 
-.PHONY: setup setup-test setup-bench demo test test-all lint dataset bench-quant bench-cache clean
+.PHONY: setup setup-test setup-bench demo test test-all lint dataset bench-quant bench-cache readme-numbers fuzz clean
 
 $(PY):
 	@if $(PYTHON) -c "import torch" >/dev/null 2>&1; then \
@@ -22,9 +22,12 @@ $(PY):
 		$(PYTHON) -m venv $(VENV); \
 	fi
 
+# torch's version is read from its metadata, never by importing it: numpy is not installed yet, and
+# importing torch without it prints "Failed to initialize NumPy".
 $(VENV)/.torch: | $(PY)
-	@$(PY) -c "import torch" >/dev/null 2>&1 || $(PIP) install "torch==$(TORCH_VERSION)"
-	@$(PY) -c "import torch; print('torch==' + torch.__version__)" > $(VENV)/constraints.txt
+	@$(PY) -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('torch') is None)" \
+		|| $(PIP) install "torch==$(TORCH_VERSION)"
+	@$(PY) -c "from importlib.metadata import version; print('torch==' + version('torch'))" > $(VENV)/constraints.txt
 	@touch $@
 
 $(VENV)/.setup: pyproject.toml $(VENV)/.torch
@@ -54,14 +57,17 @@ dataset:
 	else echo "sdkiln: not root, dataset-fashion-mnist not installed; tests that need it will skip"; fi
 
 # The main job on the embedded model: optimize, inspect, generate with the runtime, compare.
+# optimize stores its quality report in the package (inspect prints it again) and eval recomputes it
+# from the package on disk: both on the same DEMO_SAMPLES samples, so their numbers are comparable.
 DEMO := build/demo
+DEMO_SAMPLES := 50
 SDKILN := $(VENV)/bin/sdkiln
 demo: setup
-	$(SDKILN) optimize --recipe default --out $(DEMO)/package --force
+	$(SDKILN) optimize --recipe default --out $(DEMO)/package --force --eval-samples $(DEMO_SAMPLES)
 	$(SDKILN) inspect $(DEMO)/package
 	$(SDKILN) run $(DEMO)/package --prompt "a photo of a sneaker" --prompt "a pair of trousers" \
 		--prompt "a picture of an ankle boot" --seed 0 --out $(DEMO)/sample.png
-	$(SDKILN) eval $(DEMO)/package --num-samples 50 --grid $(DEMO)/original_vs_optimized.png
+	$(SDKILN) eval $(DEMO)/package --num-samples $(DEMO_SAMPLES) --grid $(DEMO)/original_vs_optimized.png
 
 test: setup-test dataset
 	$(PY) -m pytest -q
@@ -75,14 +81,32 @@ lint: setup-test
 
 # Our quantization schemes against torchao and optimum-quanto on the embedded model, in one run
 # (about 20 minutes on 2 cores): bench/results/quant_fmnist.json and the table in docs/benchmarks.md.
+# The benches' published numbers were measured with 2 threads: OMP_NUM_THREADS=2 make bench-quant.
 bench-quant: setup-bench
 	$(PY) bench/quant.py
 
 # Our cache schedules against diffusers' cache hooks, cache-dit's DBCache and fixed-interval schedules
-# on the embedded model at 28 and 50 steps (about 70 minutes on 2 cores): bench/results/cache_fmnist.json
-# and docs/img/cache_pareto.png.
+# on the embedded model at 28 and 50 steps (about 70 minutes on 2 cores, OMP_NUM_THREADS=2):
+# bench/results/cache_fmnist.json and docs/img/cache_pareto.png.
 bench-cache: setup-bench
 	$(PY) bench/cache.py
+
+# The README's "Times" section: tools/readme_numbers.py runs `make test` and `make demo` here (about
+# 10 minutes on 2 cores; run it on a quiet machine), times them, reads what they print, and rewrites
+# the section between the README's readme-numbers markers. ARGS=--fresh-clone runs the tests as CI
+# does (CI=true bash .ci/run in a fresh clone of HEAD, set-up included); ARGS="--from DIR --dry-run"
+# prints the section that saved logs give, measuring nothing.
+readme-numbers:
+	$(PYTHON) tools/readme_numbers.py $(ARGS)
+
+# The loader's fuzz run: mutated packages through inspect and run, each case in a forked process
+# under a time and memory cap (tests/fuzz/fuzz_harness.py); a summary table by outcome, and with
+# FUZZ_JSON the summary and every case. `make test` runs a 300-case smoke set of it.
+CASES ?= 10000
+FUZZ_JOBS ?= 2
+FUZZ_JSON ?= bench/results/fuzz.json
+fuzz: setup-test
+	$(PY) tests/fuzz/fuzz_harness.py --cases $(CASES) --jobs $(FUZZ_JOBS) --timeout 10 --memory-gb 2 --json $(FUZZ_JSON)
 
 clean:
 	rm -rf build .pytest_cache

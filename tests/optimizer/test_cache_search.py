@@ -2,6 +2,7 @@
 
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -14,8 +15,8 @@ from sdkiln.configs import CacheAutoConfig, Deployment, RecipeConfig
 from sdkiln.errors import PackageError
 from sdkiln.export.summary import summarize
 from sdkiln.optimizer.cache.plan import ErrorModel, Segment, fill_gaps
-from sdkiln.optimizer.cache.search import fixed_interval, pareto
-from sdkiln.optimizer.evaluate import compare
+from sdkiln.optimizer.cache.search import confirmation_bound, fixed_interval, pareto
+from sdkiln.optimizer.evaluate import compare, generate
 from sdkiln.runtime.cache import FULL, SCHEDULE_FILE, Action, cache_runner
 from sdkiln.runtime.cache import restore as cache_restore
 from sdkiln.runtime.package import open_package
@@ -218,3 +219,33 @@ def test_cache_auto_guard_ships_thresholds_for_the_reuse_steps(flux_tiny, tmp_pa
     )
     assert main(["inspect", str(tmp_path / "pkg")]) == 0
     assert f"of {2 * reuse} reuse checks forced" in capsys.readouterr().out
+
+
+def test_cache_auto_runs_end_to_end_at_most_what_it_announces(flux_tiny, monkeypatch, capsys):
+    """Every source of end-to-end runs in one small search (a budget, the fixed-interval family, which
+    dominates at 10 steps, all-full, refine, guard, held-out): the runs counted stay within the bound
+    the search prints before them. One calibration sample and two held-out ones tell the runs apart."""
+    _, pipe = flux_tiny
+    runs = []
+
+    def counted(*args, **kwargs):
+        runs.append(len(args[2]))
+        return generate(*args, **kwargs)
+
+    monkeypatch.setattr("sdkiln.optimizer.cache.search.generate", counted)
+    config = CacheAutoConfig(
+        calib_samples=1, eval_samples=2, budgets=1, refine=1, max_reuse=4, guard=True,
+        psnr_floor_db=0.0, psnr_p5_floor_db=0.0,
+    )  # fmt: skip
+    recipe = RecipeConfig(name="bounded", steps=[config], deployment=Deployment(num_inference_steps=10))
+    result = sdkiln.optimize(pipe, recipe, out_dir=None, eval_samples=0)
+    announced = re.search(
+        r"up to (\d+) end-to-end runs of 10 steps of the calibration batch .* and (\d+) of 2 held-out",
+        capsys.readouterr().out,
+    )
+    assert announced, "the search did not announce its end-to-end runs"
+    calibration, held_out = int(announced[1]), int(announced[2])
+    assert runs.count(1) <= calibration and runs.count(2) == held_out
+    confirmed = result.files[SCHEDULE_FILE]["search"]["confirmed"]
+    # the calibration batch's runs less the uncached one and the guard's are the confirmations
+    assert confirmed == runs.count(1) - 2 and confirmed <= confirmation_bound(config) == calibration - 2

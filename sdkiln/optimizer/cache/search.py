@@ -105,10 +105,14 @@ class Search:
         self.sigmas = run_sigmas(self.ctx.pipeline)
         t, jobs = self.num_steps, self.segment_jobs()
         planned = sum(stop - s + 1 + a.extrapolate for s, a, _, stop in jobs)
+        confirmations = confirmation_bound(self.config)
+        guard = ", the guard's calibration" if self.config.guard else ""
         tqdm.write(
             f"cache search: {len(jobs)} segment runs, {planned} steps of the calibration batch, about "
-            f"{planned * seconds_per_step:.0f} s, then up to {self.config.budgets + self.config.refine + 12} "
-            f"end-to-end runs of {t} steps (about {t * seconds_per_step:.0f} s each)"
+            f"{planned * seconds_per_step:.0f} s, then up to {1 + confirmations + self.config.guard} "
+            f"end-to-end runs of {t} steps of the calibration batch (about {t * seconds_per_step:.0f} s "
+            f"each: the uncached one, up to {confirmations} schedules confirmed{guard}) and 2 of "
+            f"{self.config.eval_samples} held-out samples"
         )
         gains: dict[int, list[float]] = {}
         for s, action, length, stop in tqdm(jobs, desc="cache segments", unit="run", leave=False):
@@ -190,6 +194,20 @@ def fixed_interval(
     return [FULL if full(s) else reuse for s in range(num_steps)]
 
 
+def fixed_settings(min_full: int, max_reuse: int) -> list[tuple[int, int, bool]]:
+    """``(first, every, from_end)`` of every fixed-interval schedule the search tries: the first k
+    steps full for k in {min_full, 2, 3, 4} (none below ``min_full``), then every n-th step for n in
+    2 .. max_reuse + 1, counted from either end."""
+    firsts = sorted({max(k, min_full) for k in (min_full, 2, 3, 4)})
+    return [(f, n, e) for f in firsts for n in range(2, max_reuse + 2) for e in (False, True)]
+
+
+def confirmation_bound(config: CacheAutoConfig) -> int:
+    """The most schedules a search confirms end to end: one per budget, one per fixed-interval
+    setting, all-full, and ``refine`` (a schedule met twice is confirmed once)."""
+    return config.budgets + len(fixed_settings(config.min_full, config.max_reuse)) + 1 + config.refine
+
+
 def fixed_family(model: ErrorModel, actions: list[Action]) -> list[list[Action]]:
     """The fixed-interval schedules within the search's constraints (first k full, then every n-th,
     counted from either end), each with the reuse action the model predicts best for it: candidates
@@ -197,17 +215,12 @@ def fixed_family(model: ErrorModel, actions: list[Action]) -> list[list[Action]]
     model misjudges regular patterns most (it is conservative for alternating extrapolated skips),
     which is why these are confirmed rather than predicted."""
     out: dict[tuple[str, ...], list[Action]] = {}
-    for first in sorted({model.min_full, 2, 3, 4}):
-        for every in range(2, model.max_reuse + 2):
-            for from_end in (False, True):
-                trials = [
-                    fixed_interval(model.num_steps, max(first, model.min_full), every, a, from_end)
-                    for a in actions
-                ]
-                trials = [t for t in trials if model.allowed(t)]
-                if trials:
-                    best = min(trials, key=model.predict)
-                    out.setdefault(tuple(str(a) for a in best), best)
+    for first, every, from_end in fixed_settings(model.min_full, model.max_reuse):
+        trials = [fixed_interval(model.num_steps, first, every, a, from_end) for a in actions]
+        trials = [t for t in trials if model.allowed(t)]
+        if trials:
+            best = min(trials, key=model.predict)
+            out.setdefault(tuple(str(a) for a in best), best)
     return list(out.values())
 
 
@@ -322,7 +335,8 @@ def apply_cache_auto(ctx: TransformContext, config: CacheAutoConfig) -> Transfor
     candidates = [(model.solve(b), f"dp budget={b / full:.3f}") for b in model.budgets(config.budgets)]
     candidates += [(a, "fixed interval") for a in fixed_family(model, search.actions)]
     candidates.append(([FULL] * search.num_steps, "all full"))
-    with tqdm(desc="cache schedules", unit="run", leave=False) as bar:
+    distinct = len({tuple(str(a) for a in actions) for actions, _ in candidates})
+    with tqdm(total=distinct + config.refine, desc="cache schedules", unit="run", leave=False) as bar:
         for actions, source in candidates:
             if tuple(str(a) for a in actions) not in confirmed.points:
                 bar.update()
