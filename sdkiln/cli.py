@@ -9,16 +9,73 @@ import time
 from pathlib import Path
 from typing import Any
 
-from sdkiln.errors import ModelError, SdkilnError
+from sdkiln.errors import ModelError, SdkilnError, failures_outside_sdkiln
+
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff")
+MAX_ERROR_CHARS = 1000
 
 
-def _quality_lines(q: dict[str, Any]) -> list[str]:
-    """The quality report as text; a family's own metrics (``ModelSpec.metrics``, reported as
-    ``name`` and ``base_name``) print under their own names."""
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a bad command line reported as one line (its usage block is ``--help``'s)."""
+
+    def error(self, message: str):
+        _print_error(f"{message} (see `{self.prog} --help`)")
+        sys.exit(2)
+
+
+def _bounded(kind: type, lo: float, hi: float):
+    """An argparse type: ``kind`` (int or float) within [lo, hi]; NaN is never within."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not {'an integer' if kind is int else 'a number'}"
+            ) from None
+        if not lo <= value <= hi:
+            raise argparse.ArgumentTypeError(f"{text} is outside [{lo}, {hi}]")
+        return value
+
+    return parse
+
+
+STEPS = _bounded(int, 1, 1000)
+SIZE = _bounded(int, 8, 4096)
+GUIDANCE = _bounded(float, 0.0, 100.0)
+SEED = _bounded(int, 0, 2**63 - 1_000_000)  # image i uses seed + i
+SAMPLES = _bounded(int, 1, 10_000)
+
+
+def _text(value: str, what: str) -> str:
+    """Command-line text that is not valid UTF-8 reaches Python as lone surrogates; refuse it here
+    rather than in a tokenizer."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise SdkilnError(
+            f"{what} {value.encode('utf-8', 'backslashreplace').decode()!r} is not valid UTF-8"
+        ) from None
+    return value
+
+
+def _print_error(message: str) -> None:
+    line = " ".join(str(message).split())
+    if len(line) > MAX_ERROR_CHARS:
+        line = line[: MAX_ERROR_CHARS - 3] + "..."
+    sys.stderr.buffer.write(f"sdkiln: error: {line}\n".encode("utf-8", "backslashreplace"))
+    sys.stderr.flush()
+
+
+def _quality_lines(q: dict[str, Any], source: str) -> list[str]:
+    """The quality report as text under a header that says where it comes from (``source``) and on
+    how many samples; a family's own metrics (``ModelSpec.metrics``, reported as ``name`` and
+    ``base_name``) print under their own names."""
     if not q or "psnr" not in q:
-        return ["quality: not measured"]
+        return [f"quality, {source}: not measured"]
     lines = [
-        f"quality vs original ({q['num_samples']} samples, {q['steps']} steps, guidance {q['guidance']}):",
+        f"quality vs original, {source} ({q['num_samples']} samples, {q['steps']} steps, "
+        f"guidance {q['guidance']}):",
         f"  PSNR {q['psnr']:.2f} dB (5th pct {q['psnr_p5']:.2f}, min {q['psnr_min']:.2f})  SSIM {q['ssim']:.4f}  "
         f"cosine {q['cosine']:.5f}  latent rel-L2 {q['latent_rel_l2']:.4f}",
     ]
@@ -36,6 +93,13 @@ def cmd_optimize(args) -> int:
     from sdkiln.configs import Deployment
     from sdkiln.optimizer import optimize
 
+    _text(args.recipe, "--recipe")
+    if args.model is not None:
+        _text(args.model, "model")
+    if args.format == "ascend":  # refused now, not after the optimization
+        from sdkiln.export.ascend import check_replaceable
+
+        check_replaceable(Path(f"{args.out}-ascend"), args.force)
     t0 = time.perf_counter()
     result = optimize(
         args.model,
@@ -49,7 +113,7 @@ def cmd_optimize(args) -> int:
         f"optimized {result.manifest['model']['base_id']} with recipe {args.recipe!r}: "
         f"{len(result.manifest['modules'])} layers quantized"
     )
-    print("\n".join(_quality_lines(result.quality or {})))
+    print("\n".join(_quality_lines(result.quality or {}, "measured now and stored in the package")))
     print(f"package: {result.package}  ({time.perf_counter() - t0:.1f} s)")
     if args.format == "ascend":
         export = _export_ascend(result.package, f"{result.package}-ascend", args.ascend_dtype, args.force)
@@ -93,9 +157,19 @@ def _save_image(array, path: Path) -> Path:
 def cmd_run(args) -> int:
     import torch
 
+    from sdkiln.kernels import resolve_device
     from sdkiln.runtime import load
 
-    pipe = load(args.package, device=args.device)
+    prompts = [_text(p, "--prompt") for p in args.prompt]
+    if args.negative_prompt is not None:
+        _text(args.negative_prompt, "--negative-prompt")
+    out_path = Path(_text(args.out, "--out"))
+    if out_path.suffix.lower() not in IMAGE_SUFFIXES:
+        raise SdkilnError(
+            f"--out {args.out!r}: the image type comes from the suffix: one of {', '.join(IMAGE_SUFFIXES)}"
+        )
+    device = resolve_device(args.device)
+    pipe = load(args.package, device=device, digest=args.digest)
     call = pipe.sdkiln_manifest["call"]
     kwargs = dict(call["defaults"])
     kwargs["output_type"] = "np"
@@ -108,14 +182,12 @@ def cmd_run(args) -> int:
     for key in ("height", "width"):
         if getattr(args, key) is not None:
             kwargs[key] = getattr(args, key)
-    out_path = Path(args.out)
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    for i, prompt in enumerate(args.prompt):
-        path = (
-            out_path if len(args.prompt) == 1 else out_path.with_name(f"{out_path.stem}-{i}{out_path.suffix}")
-        )
+    for i, prompt in enumerate(prompts):
+        path = out_path if len(prompts) == 1 else out_path.with_name(f"{out_path.stem}-{i}{out_path.suffix}")
         t0 = time.perf_counter()
-        out = pipe(prompt=prompt, generator=torch.Generator("cpu").manual_seed(args.seed + i), **kwargs)
+        with failures_outside_sdkiln(f"generating {path.name}"):
+            out = pipe(prompt=prompt, generator=torch.Generator("cpu").manual_seed(args.seed + i), **kwargs)
         elapsed = time.perf_counter() - t0
         _save_image((out.frames if hasattr(out, "frames") else out.images)[0], path)
         print(
@@ -126,17 +198,20 @@ def cmd_run(args) -> int:
 
 def cmd_inspect(args) -> int:
     from sdkiln.export.summary import summarize
-    from sdkiln.runtime.package import open_package
+    from sdkiln.runtime.manifest_schema import check_quality
+    from sdkiln.runtime.package import QUALITY_REPORT, open_package
 
-    pkg = open_package(args.package)
+    pkg = open_package(args.package, digest=args.digest)
     summary = summarize(pkg)
+    quality = check_quality(pkg.read_json(QUALITY_REPORT), QUALITY_REPORT)
     if args.json:
-        print(json.dumps({**pkg.manifest, "summary": summary}, indent=2))
+        print(json.dumps({**pkg.manifest, "digest": pkg.digest, "summary": summary}, indent=2))
         return 0
     m = pkg.manifest
     print(
         f"package {pkg.root}: {m['format']} v{m['schema_version']}, sdkiln {m['sdkiln_version']}, {m['created']}"
     )
+    print(f"digest: {pkg.digest}  (pin it: sdkiln run --digest, sdkiln.load(..., digest=))")
     print(f"model: {m['model']['base_id']} ({m['model']['pipeline_class']}, {m['model']['dtype']})")
     print(f"recipe: {summary['recipe']}  recipe steps: {', '.join(summary['steps']) or '(none)'}")
     print(f"sections: {', '.join(summary['sections']) or '(none)'}")
@@ -165,8 +240,7 @@ def cmd_inspect(args) -> int:
             f"{kind}: weights rounded by GPTQ (median calibration output error {ratio:.3f}x nearest rounding's)"
         )
     print(f"package size: {summary['package_bytes']:,} bytes")
-    quality = pkg.read_json("eval/quality.json")
-    print("\n".join(_quality_lines(quality)))
+    print("\n".join(_quality_lines(quality, "stored in the package when it was made")))
     return 0
 
 
@@ -176,7 +250,7 @@ def cmd_eval(args) -> int:
     from sdkiln.optimizer.evaluate import compare, save_side_by_side
     from sdkiln.runtime import load
 
-    optimized = load(args.package, device="cpu")
+    optimized = load(args.package, device="cpu", digest=args.digest)
     info = optimized.sdkiln_manifest["model"]
     base, spec, _ = load_model(args.base or info["base_id"])
     if spec.name != info["family"]:
@@ -193,20 +267,21 @@ def cmd_eval(args) -> int:
         call["num_inference_steps"] = args.steps
     if args.guidance is not None:
         call[spec.guidance_arg] = args.guidance
-    report, base_imgs, opt_imgs = compare(base, optimized, spec, args.num_samples, call)
+    with failures_outside_sdkiln("comparing the package with its base model"):
+        report, base_imgs, opt_imgs = compare(base, optimized, spec, args.num_samples, call)
     if args.grid:
         save_side_by_side(base_imgs, opt_imgs, args.grid)
     if args.json:
         print(json.dumps(report, indent=2))
     else:
-        print("\n".join(_quality_lines(report)))
+        print("\n".join(_quality_lines(report, "recomputed now from the package against the base model")))
         if args.grid:
             print(f"side-by-side grid (original left, optimized right): {args.grid}")
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="sdkiln", description=__doc__)
+    p = _Parser(prog="sdkiln", description=__doc__)
     p.add_argument("--debug", action="store_true", help="show full tracebacks")
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -225,16 +300,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     o.add_argument("--out", required=True, help="package directory to write (atomically)")
     o.add_argument("--force", action="store_true", help="replace an existing package at --out")
-    o.add_argument("--eval-samples", type=int, default=20, help="samples in the quality report (0 skips it)")
+    o.add_argument(
+        "--eval-samples",
+        type=_bounded(int, 0, 10_000),
+        default=20,
+        help="samples in the quality report (0 skips it)",
+    )
     o.add_argument(
         "--steps",
-        type=int,
+        type=STEPS,
         default=None,
         help="denoising steps the package is made for: calibration, cache search, quality report and "
         "manifest all use it (default: the recipe's, else the model family's)",
     )
     o.add_argument(
-        "--guidance", type=float, default=None, help="guidance scale the package is made for (like --steps)"
+        "--guidance",
+        type=GUIDANCE,
+        default=None,
+        help="guidance scale the package is made for (like --steps)",
     )
     o.add_argument(
         "--format",
@@ -254,26 +337,33 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("package")
     r.add_argument("--prompt", required=True, action="append", help="repeat for several images")
     r.add_argument("--negative-prompt", default=None)
-    r.add_argument("--steps", type=int, default=None)
-    r.add_argument("--guidance", type=float, default=None)
-    r.add_argument("--seed", type=int, default=0, help="seed of the first image; image i uses seed + i")
-    r.add_argument("--height", type=int, default=None)
-    r.add_argument("--width", type=int, default=None)
-    r.add_argument("--out", default="sdkiln.png", help="PNG path; with several prompts, <stem>-<i>.png")
+    r.add_argument("--steps", type=STEPS, default=None)
+    r.add_argument("--guidance", type=GUIDANCE, default=None)
+    r.add_argument("--seed", type=SEED, default=0, help="seed of the first image; image i uses seed + i")
+    r.add_argument("--height", type=SIZE, default=None)
+    r.add_argument("--width", type=SIZE, default=None)
+    r.add_argument(
+        "--out",
+        default="sdkiln.png",
+        help="image path (.png, .jpg, ...); with several prompts, <stem>-<i>.png",
+    )
     r.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, npu, ...")
+    r.add_argument("--digest", default=None, help="refuse the package unless its digest is this sha256:...")
     r.set_defaults(func=cmd_run)
 
     i = sub.add_parser("inspect", help="verify a package and show its recipe, layers, sizes and quality")
     i.add_argument("package")
-    i.add_argument("--json", action="store_true", help="the manifest plus a summary object")
+    i.add_argument("--json", action="store_true", help="the manifest plus its digest and a summary object")
+    i.add_argument("--digest", default=None, help="refuse the package unless its digest is this sha256:...")
     i.set_defaults(func=cmd_inspect)
 
     e = sub.add_parser("eval", help="recompute a package's quality against its base model")
     e.add_argument("package")
     e.add_argument("--base", default=None, help="base model (zoo name or directory); default: the manifest's")
-    e.add_argument("--num-samples", type=int, default=20)
-    e.add_argument("--steps", type=int, default=None, help="default: the package's deployment")
-    e.add_argument("--guidance", type=float, default=None, help="default: the package's deployment")
+    e.add_argument("--num-samples", type=SAMPLES, default=20)
+    e.add_argument("--steps", type=STEPS, default=None, help="default: the package's deployment")
+    e.add_argument("--guidance", type=GUIDANCE, default=None, help="default: the package's deployment")
+    e.add_argument("--digest", default=None, help="refuse the package unless its digest is this sha256:...")
     e.add_argument("--grid", default=None, help="write a side-by-side PNG (original left, optimized right)")
     e.add_argument("--json", action="store_true")
     e.set_defaults(func=cmd_eval)
@@ -312,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
     except (SdkilnError, OSError) as exc:
         if args.debug:
             raise
-        print(f"sdkiln: error: {exc}", file=sys.stderr)
+        _print_error(str(exc))
         return 2
 
 

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import Tensor
 
 from sdkiln.errors import PackageError
@@ -34,6 +34,7 @@ from sdkiln.export.ascend_schemes import FLOAT_TAG, AscendLayer, ascend_layer_te
 from sdkiln.export.atomic import atomic_directory
 from sdkiln.runtime.package import TRANSFORMER_WEIGHTS, open_package
 from sdkiln.runtime.quant import scheme_classes
+from sdkiln.runtime.safetensors_data import load_tensors
 
 FILE_MODE = 0o640
 DIR_MODE = 0o750
@@ -178,8 +179,10 @@ def _deploy_dtype(manifest: dict[str, Any], dtype: str | None) -> torch.dtype | 
     return DEPLOY_DTYPES.get(name)
 
 
-def _check_replaceable(target: Path, force: bool) -> None:
+def check_replaceable(target: Path, force: bool) -> None:
     """``--force`` replaces a previous Ascend export, never anything else (a package, a model)."""
+    if not os.path.lexists(target):
+        return
     if not force:
         raise PackageError(f"{target}: already exists; pass --force (force=True) to replace it")
     patterns = (DESCRIPTION_FILE.split("{")[0], WEIGHTS_FILE.split("{")[0])
@@ -210,14 +213,13 @@ def export_ascend(
     pkg = open_package(package)
     manifest = pkg.manifest
     attr = manifest["model"]["transformer_attr"]
-    tensors = load_file(pkg.path(f"{attr}/{TRANSFORMER_WEIGHTS}"))
+    weights_rel = f"{attr}/{TRANSFORMER_WEIGHTS}"
+    tensors = load_tensors(pkg.data(weights_rel), weights_rel)
     files = ascend_files(manifest, tensors, _deploy_dtype(manifest, dtype))
     description, weights = files.description, files.weights
     quant_type = description["model_quant_type"].lower()
     target = Path(out_dir)
-    if target.is_symlink() or target.exists():
-        _check_replaceable(target, force)
-    with atomic_directory(target, mode=DIR_MODE) as tmp:
+    with atomic_directory(target, check=lambda t: check_replaceable(t, force), mode=DIR_MODE) as tmp:
         desc_path = tmp / DESCRIPTION_FILE.format(type=quant_type)
         weights_path = tmp / WEIGHTS_FILE.format(type=quant_type)
         text = json.dumps(description, indent=2) + "\n"

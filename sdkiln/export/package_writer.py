@@ -1,8 +1,9 @@
-"""Write a package atomically: build it in a temp directory beside the target, fsync, rename.
+"""Write a package atomically: build it in a temp directory beside the target, fsync, swap it in.
 
-An interrupted export leaves nothing at the target; an existing target is replaced only with
-``force=True`` and only after the new package is complete. The format is defined by the reader
-(``sdkiln.runtime.package``) and described in ``docs/package-format.md``.
+An interrupted export leaves the target as it was; an existing target is replaced only with
+``force=True``, only if it is a package or an empty directory, and only after the new package is
+complete (``sdkiln.export.atomic``). The format is defined by the reader (``sdkiln.runtime.package``)
+and described in ``docs/package-format.md``.
 """
 
 from __future__ import annotations
@@ -77,6 +78,33 @@ def _write_extra(tmp: Path, extra_files: dict[str, Any]) -> None:
             _write_json(path, content)
 
 
+def check_replaceable(target: Path, force: bool) -> None:
+    """Refuse ``target`` unless nothing is there or, with ``force``, it is an sdkiln package or an
+    empty directory. ``--force`` must never delete what sdkiln did not write: a file, a link or a
+    directory of the user's files is refused and left as it is.
+
+    ``optimize`` calls this (under ``target_lock``) before any work, so a wrong ``--out`` is refused
+    in a second instead of after the optimization; ``write_package`` calls it again under the lock.
+    """
+    if not os.path.lexists(target):
+        return
+    if not force:
+        raise PackageError(f"{target}: already exists; pass --force (force=True) to replace it")
+    if not target.is_symlink() and target.is_dir():
+        if not any(target.iterdir()):
+            return
+        try:
+            manifest = json.loads((target / MANIFEST).read_text(encoding="utf-8"))
+        except (OSError, ValueError):  # no manifest, or one that is not JSON: not a package
+            manifest = None
+        if isinstance(manifest, dict) and manifest.get("format") == FORMAT_NAME:
+            return
+    raise PackageError(
+        f"{target}: is neither an sdkiln package nor an empty directory; --force replaces only those, "
+        "so it is left as it is"
+    )
+
+
 def write_package(
     out_dir: str | os.PathLike,
     pipeline,
@@ -90,12 +118,11 @@ def write_package(
 
     ``manifest`` carries model/recipe/modules; this function adds format, versions, time and files.
     ``extra_files`` maps package paths to tensors (``.safetensors``), JSON objects (``.json``) or
-    PNG bytes (``.png``).
+    PNG bytes (``.png``). ``force`` lets it replace what ``check_replaceable`` allows; another
+    sdkiln process writing ``out_dir`` at the same time makes it raise ``PackageError``.
     """
     target = Path(out_dir)
-    if target.exists() and not force:
-        raise PackageError(f"{target}: already exists; pass --force (force=True) to replace it")
-    with atomic_directory(target) as tmp:
+    with atomic_directory(target, check=lambda t: check_replaceable(t, force)) as tmp:
         extra = _write_components(tmp, pipeline, transformer_attr)
         _write_json(tmp / QUALITY_REPORT, quality)
         _write_extra(tmp, extra_files or {})

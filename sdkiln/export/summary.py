@@ -9,14 +9,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from safetensors import safe_open
-
 from sdkiln.runtime.cache.restore import schedule_file
 from sdkiln.runtime.cache.schedule import CacheSchedule
 from sdkiln.runtime.package import TRANSFORMER_WEIGHTS, Package
 from sdkiln.runtime.restore import sections_of
+from sdkiln.runtime.safetensors_data import DTYPES, read_header
 
-_ITEMSIZE = {"I8": 1, "U8": 1, "F16": 2, "BF16": 2, "F32": 4, "F64": 8, "I32": 4, "I64": 8, "F8_E4M3": 1}
 # A quantized weight stored as uint8 holds two int4 values a byte (W4A16, ``sdkiln.kernels.int4``).
 _WEIGHT_VALUES_PER_ELEMENT = {"U8": 2}
 
@@ -37,18 +35,15 @@ def summarize(pkg: Package) -> dict[str, Any]:
         {n for step in m["recipe"]["steps"] for n in step["result"].get("float", [])} - set(modules)
     )
     qbytes = fbytes = 0
-    with safe_open(pkg.path(f"{attr}/{TRANSFORMER_WEIGHTS}"), framework="pt") as fh:
-        keys = set(fh.keys())
-        for layer in modules:
-            for key in sorted(k for k in keys if k.startswith(f"{layer}.") and not k.endswith(".bias")):
-                sl = fh.get_slice(key)
-                numel = _numel(sl.get_shape())
-                qbytes += numel * _ITEMSIZE[sl.get_dtype()]
-                if key in (f"{layer}.weight", f"{layer}.linear.weight"):
-                    fbytes += numel * _WEIGHT_VALUES_PER_ELEMENT.get(sl.get_dtype(), 1) * 4
-        total = sum(
-            _ITEMSIZE[fh.get_slice(k).get_dtype()] * _numel(fh.get_slice(k).get_shape()) for k in keys
-        )
+    weights = f"{attr}/{TRANSFORMER_WEIGHTS}"
+    infos = read_header(pkg.data(weights), weights)[1]
+    for layer in modules:
+        for key in sorted(k for k in infos if k.startswith(f"{layer}.") and not k.endswith(".bias")):
+            info = infos[key]
+            qbytes += info.numel * DTYPES[info.dtype].itemsize
+            if key in (f"{layer}.weight", f"{layer}.linear.weight"):
+                fbytes += info.numel * _WEIGHT_VALUES_PER_ELEMENT.get(info.dtype, 1) * 4
+    total = sum(info.numel * DTYPES[info.dtype].itemsize for info in infos.values())
     schemes: dict[str, int] = {}
     for info in modules.values():
         schemes[info["scheme"]] = schemes.get(info["scheme"], 0) + 1
@@ -86,10 +81,3 @@ def summarize(pkg: Package) -> dict[str, Any]:
             if s["result"].get("weight_rounding") == "gptq"
         },
     }
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n

@@ -23,6 +23,8 @@ from typing import ClassVar
 
 import torch
 
+from sdkiln.errors import DeviceError
+
 
 class Platform(abc.ABC):
     """Device questions for one kind of machine; ``current_platform()`` returns the detected one."""
@@ -177,10 +179,18 @@ def resolve_device(device: str | torch.device = "auto") -> torch.device:
     if device == "auto":
         return current_platform().device()
     device_type = str(device).split(":", 1)[0]
+    if device_type not in DISPATCH_KEYS:
+        raise DeviceError(f"device {str(device)!r}: not a device name (auto, cpu, cuda, cuda:1, npu, ...)")
     platform = current_platform()
     if device_type not in ("cpu", platform.device_type):
-        raise ValueError(
+        raise DeviceError(
             f"device {str(device)!r} requested, but this machine has no {device_type} device "
             f"(detected platform: {platform.device_type})"
         )
-    return torch.device(device)
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise DeviceError(
+            f"device {str(device)!r}: not a device name (auto, cpu, cuda, cuda:1, npu, ...)"
+        ) from None
+    return parsed

@@ -6,7 +6,7 @@ import importlib
 import json
 from pathlib import Path
 
-from sdkiln.errors import ModelError
+from sdkiln.errors import ModelError, third_party
 from sdkiln.model_zoo.spec import AttentionSite, BlockList, ModelSpec
 
 # name -> module that defines SPEC. Modules import lazily so `import sdkiln` stays light.
@@ -57,18 +57,26 @@ def load_model(model: str | None = None):
         return spec.build(), spec, spec.name
     path = Path(model)
     index = path / "model_index.json"
+    if (path / "manifest.json").is_file() and b'"sdkiln-package"' in (path / "manifest.json").read_bytes()[
+        :4096
+    ]:
+        raise ModelError(
+            f"{model}: is an sdkiln package, not a base model; optimize the model it was made from "
+            "(`sdkiln inspect` names it)"
+        )
     if not index.is_file():
         raise ModelError(
             f"{model}: not a model name ({', '.join(_SPEC_MODULES)}) nor a diffusers directory with model_index.json"
         )
     try:
         class_name = json.loads(index.read_text(encoding="utf-8"))["_class_name"]
-    except (json.JSONDecodeError, KeyError) as exc:
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as exc:
         raise ModelError(f"{index}: unreadable model index ({exc})") from None
     for name in _SPEC_MODULES:
         spec = get_spec(name)
         if spec.pipeline_class.split(":")[-1] == class_name:
-            pipe = _import_class(spec.pipeline_class).from_pretrained(str(path), use_safetensors=True)
+            with third_party(str(path), f"loading {class_name} with diffusers", ModelError):
+                pipe = _import_class(spec.pipeline_class).from_pretrained(str(path), use_safetensors=True)
             return pipe, spec, str(path.resolve())
     raise ModelError(
         f"{index}: pipeline class {class_name} has no sdkiln model spec ({', '.join(_SPEC_MODULES)})"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import os
@@ -14,6 +15,8 @@ import torch
 
 from sdkiln.configs import Deployment, RecipeConfig
 from sdkiln.export import write_package
+from sdkiln.export.atomic import target_lock
+from sdkiln.export.package_writer import check_replaceable
 from sdkiln.model_zoo import ModelSpec, load_model, spec_for_pipeline
 from sdkiln.model_zoo.fingerprint import fingerprint
 from sdkiln.optimizer.evaluate import compare
@@ -97,61 +100,69 @@ def optimize(
     steps that need none ignore it. ``eval_samples=0`` skips the quality report. ``base_id`` names
     the base model in the manifest (a zoo name or a directory ``sdkiln eval`` can rebuild it from);
     for a pipeline object it defaults to the directory it was loaded from, else the family's name.
+
+    ``out_dir`` is checked (``force`` replaces only a package or an empty directory) and locked
+    against other sdkiln writers before anything is loaded, so a wrong ``--out`` fails at once, not
+    after minutes of calibration, and stays reserved until the package is written.
     """
-    recipe = resolve_recipe(recipe)
-    if deployment is not None:
-        recipe = dataclasses.replace(
-            recipe, deployment=recipe.deployment.merged(deployment, "the optimize call")
-        )
-    if isinstance(model, str | os.PathLike) or model is None:
-        base, spec, base_id = load_model(None if model is None else str(model))
-    else:
-        base, spec = model, spec_for_pipeline(model)
-        base_id = base_id or getattr(model, "name_or_path", None) or spec.name
-    attr = spec.transformer_attr
-    base_transformer = getattr(base, attr)
-    optimized = type(base)(**{**base.components, attr: copy.deepcopy(base_transformer)})
-    ctx = TransformContext(pipeline=optimized, spec=spec, forward_loop=forward_loop, recipe=recipe)
-    ctx.check_deployment()
-    steps, modules, files, sections = [], {}, {}, {}
-    for config in recipe.steps:
-        result = apply_transform(ctx, config)
-        modules.update(result.modules)
-        _merge_files(files, result.files, config.kind)
-        _merge_sections(sections, result.sections, config.kind)
-        steps.append({"config": config.to_dict(), "result": result.record})
-    manifest = {
-        "model": {
-            "family": spec.name,
-            "base_id": base_id,
-            **fingerprint(base_transformer),
-            "pipeline_class": _class_path(type(base)),
-            "transformer_attr": attr,
-            "transformer_class": type(base_transformer).__name__,
-            "dtype": _dtype_name(base_transformer),
-        },
-        "call": {"guidance_arg": spec.guidance_arg, "defaults": ctx.call_kwargs()},
-        "recipe": {
-            "name": recipe.name,
-            "version": recipe.version,
-            "deployment": recipe.deployment.to_dict(),
-            "steps": steps,
-        },
-        "modules": modules,
-        **sections,
-    }
-    quality = None
-    if eval_samples > 0:
-        quality, _, _ = compare(base, optimized, spec, eval_samples, ctx.call_kwargs())
-    package = None
-    if out_dir is not None:
-        package = write_package(
-            out_dir,
-            optimized,
-            manifest,
-            quality or {"skipped": "optimize ran with eval_samples=0"},
-            attr,
-            force=force,
-            extra_files=files,
-        )
-    return OptimizeResult(optimized, base, spec, manifest, quality, package, files)
+    with contextlib.ExitStack() as reserved:
+        if out_dir is not None:
+            reserved.enter_context(target_lock(Path(out_dir)))
+            check_replaceable(Path(out_dir), force)
+        recipe = resolve_recipe(recipe)
+        if deployment is not None:
+            recipe = dataclasses.replace(
+                recipe, deployment=recipe.deployment.merged(deployment, "the optimize call")
+            )
+        if isinstance(model, str | os.PathLike) or model is None:
+            base, spec, base_id = load_model(None if model is None else str(model))
+        else:
+            base, spec = model, spec_for_pipeline(model)
+            base_id = base_id or getattr(model, "name_or_path", None) or spec.name
+        attr = spec.transformer_attr
+        base_transformer = getattr(base, attr)
+        optimized = type(base)(**{**base.components, attr: copy.deepcopy(base_transformer)})
+        ctx = TransformContext(pipeline=optimized, spec=spec, forward_loop=forward_loop, recipe=recipe)
+        ctx.check_deployment()
+        steps, modules, files, sections = [], {}, {}, {}
+        for config in recipe.steps:
+            result = apply_transform(ctx, config)
+            modules.update(result.modules)
+            _merge_files(files, result.files, config.kind)
+            _merge_sections(sections, result.sections, config.kind)
+            steps.append({"config": config.to_dict(), "result": result.record})
+        manifest = {
+            "model": {
+                "family": spec.name,
+                "base_id": base_id,
+                **fingerprint(base_transformer),
+                "pipeline_class": _class_path(type(base)),
+                "transformer_attr": attr,
+                "transformer_class": type(base_transformer).__name__,
+                "dtype": _dtype_name(base_transformer),
+            },
+            "call": {"guidance_arg": spec.guidance_arg, "defaults": ctx.call_kwargs()},
+            "recipe": {
+                "name": recipe.name,
+                "version": recipe.version,
+                "deployment": recipe.deployment.to_dict(),
+                "steps": steps,
+            },
+            "modules": modules,
+            **sections,
+        }
+        quality = None
+        if eval_samples > 0:
+            quality, _, _ = compare(base, optimized, spec, eval_samples, ctx.call_kwargs())
+        package = None
+        if out_dir is not None:
+            package = write_package(
+                out_dir,
+                optimized,
+                manifest,
+                quality or {"skipped": "optimize ran with eval_samples=0"},
+                attr,
+                force=force,
+                extra_files=files,
+            )
+        return OptimizeResult(optimized, base, spec, manifest, quality, package, files)

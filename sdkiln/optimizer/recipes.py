@@ -7,12 +7,12 @@ Every registered recipe step kind has a name, its kind with dashes (``w8a8_dynam
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from pathlib import Path
 
 from sdkiln.configs import RECIPE_STEPS, CacheAutoConfig, RecipeConfig, RecipeStep, WeightRounding
-from sdkiln.errors import RecipeError
+from sdkiln.errors import PackageError, RecipeError, third_party
+from sdkiln.runtime.package import parse_json
 
 PRESETS: dict[str, Callable[[], list[RecipeStep]]] = {
     "none": lambda: [],
@@ -72,6 +72,20 @@ def resolve_recipe(recipe: str | RecipeConfig) -> RecipeConfig:
     return RecipeConfig(name=recipe, steps=sorted(steps, key=lambda s: s.order))
 
 
+def _no_alias_loader() -> type:
+    """YAML's safe loader without aliases: a 400-byte file of nested aliases expands to gigabytes
+    (a "billion laughs"), and a recipe never needs one."""
+    import yaml
+
+    class NoAliasLoader(yaml.SafeLoader):
+        def compose_node(self, parent, index):
+            if self.check_event(yaml.AliasEvent):
+                raise yaml.YAMLError("aliases (*name) are not allowed in a recipe")
+            return super().compose_node(parent, index)
+
+    return NoAliasLoader
+
+
 def _recipe_file(path: Path) -> RecipeConfig:
     if not path.is_file():
         raise RecipeError(f"{path}: recipe file not found")
@@ -79,15 +93,16 @@ def _recipe_file(path: Path) -> RecipeConfig:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:
         raise RecipeError(f"{path}: not UTF-8 text ({exc.reason})") from None
-    try:
-        if path.suffix == ".json":
-            data = json.loads(text)
-        else:
-            import yaml
+    if path.suffix == ".json":
+        try:
+            data = parse_json(text.encode("utf-8"), str(path))
+        except PackageError as exc:
+            raise RecipeError(f"cannot parse recipe: {exc}") from None
+    else:
+        import yaml
 
-            data = yaml.safe_load(text)
-    except Exception as exc:  # json and yaml raise different types; both mean "not parseable"
-        raise RecipeError(f"{path}: cannot parse recipe ({exc})") from None
+        with third_party(str(path), "cannot parse recipe: YAML", RecipeError):
+            data = yaml.load(text, Loader=_no_alias_loader())
     data = dict(data) if isinstance(data, dict) else data
     if isinstance(data, dict):
         data.setdefault("name", path.stem)

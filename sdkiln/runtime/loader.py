@@ -17,67 +17,74 @@
 
 from __future__ import annotations
 
-import importlib
 import os
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
 from torch import nn
 
 from sdkiln import kernels
 from sdkiln.configs.runtime import CompileConfig, ParallelConfig
-from sdkiln.errors import PackageError, SdkilnError
+from sdkiln.errors import PackageError, SdkilnError, third_party
 from sdkiln.runtime import restore
+from sdkiln.runtime.components import (
+    assemble,
+    bounded_build,
+    check_config_types,
+    component_tensors,
+    fill_weights,
+    resolve_class,
+    stored_numel,
+)
+from sdkiln.runtime.manifest_schema import expect_dict
 from sdkiln.runtime.package import TRANSFORMER_WEIGHTS, Package, open_package
-
-# Pipelines come from diffusers or from sdkiln's own model zoo, nowhere else.
-_PIPELINE_MODULES = ("diffusers", "sdkiln.model_zoo.")
-
-
-def resolve_class(path: str, base: type, what: str) -> type:
-    """``module:Class`` from the allow-list, and a subclass of ``base``."""
-    module, _, name = path.partition(":")
-    if not name or not (module == "diffusers" or module.startswith(_PIPELINE_MODULES[1])):
-        raise PackageError(
-            f"manifest.json: {what} {path!r} is not from diffusers or sdkiln.model_zoo; refusing it"
-        )
-    try:
-        cls = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as exc:
-        raise PackageError(f"manifest.json: cannot import {what} {path!r} ({exc})") from None
-    if not (isinstance(cls, type) and issubclass(cls, base)):
-        raise PackageError(f"manifest.json: {what} {path!r} is not a {base.__name__}")
-    return cls
 
 
 def build_transformer(pkg: Package) -> nn.Module:
-    """The package's transformer class from its config, on the meta device."""
+    """The package's transformer class from its config, on the meta device, within the allocation
+    budget its stored tensors allow (``runtime.components``)."""
     from diffusers import ModelMixin
 
-    config = pkg.read_json(f"{pkg.manifest['model']['transformer_attr']}/config.json")
-    cls = resolve_class(f"diffusers:{config.get('_class_name')}", ModelMixin, "transformer class")
-    with torch.device("meta"):
+    info = pkg.manifest["model"]
+    where = f"{info['transformer_attr']}/config.json"
+    config = expect_dict(pkg.read_json(where), where)
+    if config.get("_class_name") != info["transformer_class"]:
+        raise PackageError(
+            f"{where}: _class_name {config.get('_class_name')!r} but the manifest names {info['transformer_class']}"
+        )
+    cls = resolve_class(f"diffusers:{info['transformer_class']}", ModelMixin, "transformer class")
+    check_config_types(cls, config, where)
+    with (
+        third_party(where, f"building {cls.__name__}"),
+        bounded_build(stored_numel(pkg, info["transformer_attr"]), where),
+    ):
         return cls.from_config(config)
 
 
 def load_weights(pkg: Package, model: nn.Module) -> nn.Module:
+    """The transformer's tensors from the verified bytes; the non-persistent buffers the writer
+    stored beside them are set as buffers (they are not in the state dict)."""
     info = pkg.manifest["model"]
-    weights_path = pkg.path(f"{info['transformer_attr']}/{TRANSFORMER_WEIGHTS}")
-    tensors = load_file(weights_path)
-    extra = {n: tensors.pop(n) for n in info.get("nonpersistent_buffers", [])}
-    try:
-        model.load_state_dict(tensors, strict=True, assign=True)
-    except RuntimeError as exc:
-        first = str(exc).strip().splitlines()[0:3]
-        raise PackageError(f"{weights_path}: does not match the transformer ({' '.join(first)})") from None
-    for name, value in extra.items():
+    tensors = component_tensors(pkg, info["transformer_attr"])
+    where = f"{info['transformer_attr']}/{TRANSFORMER_WEIGHTS}"
+    extra = {}
+    for name in info.get("nonpersistent_buffers", []):
         owner, _, leaf = name.rpartition(".")
-        model.get_submodule(owner)._buffers[leaf] = value
-    leftover = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
-    if leftover:
-        raise PackageError(f"{weights_path}: tensors missing for {leftover[:3]}")
-    return model.eval()
+        try:
+            module = model.get_submodule(owner)
+        except AttributeError:
+            raise PackageError(f"manifest.json: buffer {name!r} is not in the transformer") from None
+        if name not in tensors or leaf not in module._buffers:
+            raise PackageError(f"{where}: non-persistent buffer {name!r} is not stored or not the model's")
+        extra[name] = (module, leaf, tensors.pop(name))
+    for name, (module, leaf, value) in extra.items():
+        if tuple(value.shape) != tuple(module._buffers[leaf].shape):
+            raise PackageError(
+                f"{where}: buffer {name!r} has shape {list(value.shape)}, the model's is "
+                f"{list(module._buffers[leaf].shape)}"
+            )
+        module._buffers[leaf] = value
+    return fill_weights(model, tensors, where)
 
 
 def _assemble(pkg: Package, transformer: nn.Module):
@@ -85,12 +92,10 @@ def _assemble(pkg: Package, transformer: nn.Module):
 
     info = pkg.manifest["model"]
     pipeline_cls = resolve_class(info["pipeline_class"], DiffusionPipeline, "pipeline class")
-    dtype = getattr(torch, info.get("dtype", "float32"))
-    pipe = pipeline_cls.from_pretrained(
-        str(pkg.root), **{info["transformer_attr"]: transformer}, dtype=dtype, use_safetensors=True
-    )
+    pipe = assemble(pkg, pipeline_cls, info["transformer_attr"], transformer)
     pipe.set_progress_bar_config(disable=True)
     pipe.sdkiln_manifest = pkg.manifest
+    pipe.sdkiln_digest = pkg.digest
     return pipe
 
 
@@ -113,17 +118,20 @@ def load(
     *,
     parallel: ParallelConfig | None = None,
     compile: CompileConfig | None = None,
+    digest: str | None = None,
 ) -> Any:
     """Load a package into a diffusers ``DiffusionPipeline`` on ``device`` ("auto", "cpu", "cuda:0", ...).
 
     Every file is verified against the manifest first (sizes, sha256, no links, no stray files),
     and every manifest section must be one this sdkiln restores. ``parallel`` runs it on a device
     mesh, ``compile`` compiles its transformer (``sdkiln.configs.runtime``). The manifest is kept on
-    the pipeline as ``pipe.sdkiln_manifest``; the order of the work is the module docstring's.
+    the pipeline as ``pipe.sdkiln_manifest`` and its digest as ``pipe.sdkiln_digest``; with
+    ``digest="sha256:..."`` a package whose digest differs is refused before anything is read
+    (``sdkiln inspect`` prints it). The order of the work is the module docstring's.
     """
-    pkg = open_package(path)
-    sections = restore.sections_of(pkg.manifest)
     target = kernels.resolve_device(device)
+    pkg = open_package(path, digest=digest)
+    sections = restore.sections_of(pkg.manifest)
     ctx = restore.RestoreContext(pkg, build_transformer(pkg))
     restore.run_stage("build", sections, ctx)
     load_weights(pkg, ctx.transformer)

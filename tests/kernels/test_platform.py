@@ -11,6 +11,7 @@ import types
 import pytest
 import torch
 
+from sdkiln.errors import DeviceError
 from sdkiln.kernels import platform
 from sdkiln.kernels.platform import CpuPlatform, current_platform, resolve_device
 
@@ -74,10 +75,12 @@ def test_this_machine(fresh_platform):
 def test_resolve_device(no_accelerator):
     assert resolve_device("auto") == resolve_device("cpu") == resolve_device(torch.device("cpu"))
     assert resolve_device() == torch.device("cpu")
-    with pytest.raises(ValueError, match="no cuda device"):
+    with pytest.raises(DeviceError, match="no cuda device"):
         resolve_device("cuda:0")
-    with pytest.raises(ValueError, match="no npu device"):
+    with pytest.raises(DeviceError, match="no npu device"):
         resolve_device("npu")
+    with pytest.raises(DeviceError, match="not a device name"):
+        resolve_device("bogus")
 
 
 def test_torch_npu_without_a_device_is_not_an_npu(monkeypatch, fresh_platform):
@@ -131,9 +134,11 @@ def test_npu_platform_with_a_fake_torch_npu():
         p.synchronize()
         assert calls == ["synchronize"]
         assert p.memory_stats() == {"allocated_bytes": 1, "peak_allocated_bytes": 3, "reserved_bytes": 2}
+        from sdkiln.errors import DeviceError
+
         try:
             resolve_device("cuda")
-        except ValueError:
+        except DeviceError:
             pass
         else:
             raise AssertionError("resolve_device('cuda') on an NPU machine did not raise")

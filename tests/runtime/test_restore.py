@@ -52,7 +52,7 @@ def test_a_named_cache_section_pointing_nowhere_is_refused(package):
     with pytest.raises(PackageError, match="not listed in manifest.json"):
         sdkiln.load(package, device="cpu")
     rewrite_manifest(package, lambda m: m.update(cache_schedule="schedules/cache_schedule.json"))
-    with pytest.raises(PackageError, match="cache_schedule must be an object with a 'file'"):
+    with pytest.raises(PackageError, match="cache_schedule: a package section must be an object"):
         sdkiln.load(package, device="cpu")
 
 

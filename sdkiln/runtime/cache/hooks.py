@@ -100,6 +100,16 @@ class CacheRunner:
                 raise StepError(
                     f"the cache schedule expects {layout.count} blocks in transformer.{layout.attr}, found {found}"
                 )
+            forward_args = inspect.signature(blocks[0].forward).parameters
+            if (
+                len(set(layout.outputs)) != len(layout.outputs)
+                or not set(layout.outputs) <= set(layout.inputs)
+                or not set(layout.inputs) <= set(forward_args)
+            ):
+                raise StepError(
+                    f"the cache schedule's block layout of transformer.{layout.attr} (inputs {list(layout.inputs)}, "
+                    f"outputs {list(layout.outputs)}) does not fit the blocks' forward({', '.join(forward_args)})"
+                )
             self.blocks += [(block, layout) for block in blocks]
         self.num_blocks = len(self.blocks)
         self.spans = self._spans(schedule)

@@ -35,6 +35,10 @@ FORMAT = "sdkiln.cache_schedule"
 FORMAT_VERSION = 1
 SCHEDULE_FILE = "schedules/cache_schedule.json"
 BATCHED = "batched"
+# Bounds a schedule from a package must respect: more is no real model, only a way to hang the loader.
+MAX_STEPS = 1000
+MAX_BLOCKS = 10_000
+MAX_BRANCHES = 16
 """The branch name of a pipeline that runs every CFG branch in one transformer call."""
 
 
@@ -110,7 +114,14 @@ class BlockLayout:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> BlockLayout:
-        return cls(str(d["attr"]), int(d["count"]), tuple(d["inputs"]), tuple(d["outputs"]))
+        count = d["count"]
+        if type(count) is not int or not 1 <= count <= MAX_BLOCKS:
+            raise ValueError(f"block count must be an integer in [1, {MAX_BLOCKS}], got {count!r}")
+        if not all(
+            isinstance(x, list) and all(isinstance(s, str) for s in x) for x in (d["inputs"], d["outputs"])
+        ):
+            raise ValueError("block inputs and outputs must be lists of names")
+        return cls(str(d["attr"]), count, tuple(d["inputs"]), tuple(d["outputs"]))
 
 
 @dataclass
@@ -203,6 +214,10 @@ class CacheSchedule:
         schedule's range, a sigma equally near two schedule steps with different actions, or more
         steps than the schedule has (a skip would then be repeated past what was measured)."""
         sigmas = [float(s) for s in sigmas]
+        if not all(math.isfinite(s) for s in sigmas):
+            raise ValueError(
+                f"the run's sigmas are not all finite ({sigmas[:4]}...): check the scheduler's config"
+            )
         if len(sigmas) == self.num_steps and all(
             math.isclose(a, b, rel_tol=1e-5, abs_tol=1e-7) for a, b in zip(sigmas, self.sigmas, strict=True)
         ):
@@ -284,6 +299,16 @@ class CacheSchedule:
                 f"version {FORMAT_VERSION}"
             )
         try:
+            if (
+                len(d["sigmas"]) > MAX_STEPS
+                or len(d["actions"]) > MAX_BRANCHES
+                or len(d["blocks"]) > MAX_BRANCHES
+            ):
+                raise ValueError(f"more than {MAX_STEPS} steps or {MAX_BRANCHES} branches or block lists")
+            if not all(isinstance(a, str) for v in d["actions"].values() for a in v):
+                raise ValueError("actions must be lists of strings")
+            if not all(type(s) in (int, float) for s in d["sigmas"]):
+                raise ValueError("sigmas must be numbers")
             schedule = cls(
                 actions={str(k): [Action.parse(a) for a in v] for k, v in d["actions"].items()},
                 sigmas=[float(s) for s in d["sigmas"]],
@@ -295,8 +320,8 @@ class CacheSchedule:
                 expected=dict(d.get("expected", {})),
                 search=dict(d.get("search", {})),
             )
-        except (KeyError, TypeError, ValueError) as exc:
-            raise PackageError(f"{where}: invalid cache schedule: {exc}") from exc
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise PackageError(f"{where}: invalid cache schedule: {exc}") from None
         if d.get("num_steps") != schedule.num_steps:
             raise PackageError(f"{where}: num_steps {d.get('num_steps')} but {schedule.num_steps} sigmas")
         return schedule

@@ -9,6 +9,9 @@ gets the pipeline's step tracker.
 
 from __future__ import annotations
 
+import inspect
+import math
+
 from torch import nn
 
 from sdkiln.errors import PackageError
@@ -17,11 +20,33 @@ from sdkiln.runtime.quant import quant_module, scheme_classes
 from sdkiln.runtime.quant.smooth import SmoothedLinear
 from sdkiln.runtime.restore import RestoreContext, Section
 
+MAX_PARAM = 1 << 31
+
+
+def _check_params(layer: str, scheme: str, params: dict) -> None:
+    """Each parameter is one the scheme's constructor takes, of the type it declares: ``true`` is
+    not the integer 1 and ``1.0`` not an int (a manifest field of the wrong type is refused, not
+    coerced)."""
+    signature = inspect.signature(quant_module(scheme).__init__).parameters
+    for key, value in params.items():
+        where = f"manifest.json: layer {layer!r} ({scheme}) {key!r}"
+        param = signature.get(key)
+        if param is None or param.kind is not param.KEYWORD_ONLY:
+            raise PackageError(f"{where}: not a parameter of {scheme}")
+        if param.annotation in ("int", int) and not (type(value) is int and 0 <= value < MAX_PARAM):
+            raise PackageError(f"{where}: must be an integer in [0, 2**31), got {value!r}")
+        if param.annotation in ("float", float) and not (
+            type(value) in (int, float) and math.isfinite(value)
+        ):
+            raise PackageError(f"{where}: must be a finite number, got {value!r}")
+
 
 def swap_modules(ctx: RestoreContext) -> None:
     model = ctx.transformer
     for name, info in ctx.manifest["modules"].items():
-        params = dict(info) if isinstance(info, dict) else {}
+        if not isinstance(info, dict):
+            raise PackageError(f"manifest.json: layer {name!r} must be an object with a 'scheme'")
+        params = dict(info)
         scheme = params.pop("scheme", None)
         if scheme not in scheme_classes():
             raise PackageError(
@@ -39,6 +64,7 @@ def swap_modules(ctx: RestoreContext) -> None:
         smooth = params.pop("smooth", False)
         if not isinstance(smooth, bool):
             raise PackageError(f"manifest.json: layer {name!r} has a non-boolean 'smooth' ({smooth!r})")
+        _check_params(name, scheme, params)
         try:
             module = quant_module(scheme)(
                 linear.in_features,

@@ -1,0 +1,393 @@
+"""Building a package's models and assembling its pipeline from verified bytes, with bounded work.
+
+diffusers' ``from_pretrained`` would read every file again by path (after verification), build a
+model of whatever size its config asks for, and fill missing tensors with random values. Here
+every component is built from its checked config under an allocation budget, its tensors come from
+the package's verified bytes (``runtime.safetensors_data``), and a missing or extra tensor is an
+error. Parsers of other libraries are called inside ``third_party``, which turns their failures
+into one ``PackageError`` naming the file; our own code runs outside it, so a bug of ours keeps its
+traceback.
+
+**Allocation budget.** A model is built on the meta device while a torch-function mode adds up
+the elements of every tensor its constructor creates; past twice the elements stored in its
+safetensors (plus a margin for buffers) the build stops. A config that asks for a million layers or
+channels of 100,000 is refused in milliseconds, before anything is allocated.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import math
+import tempfile
+import types
+import typing
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from sdkiln.errors import PackageError, third_party
+from sdkiln.runtime.manifest_schema import expect_dict, expect_int, short
+from sdkiln.runtime.package import Package
+from sdkiln.runtime.safetensors_data import load_tensors, read_header
+
+LIBRARIES = ("diffusers", "transformers")
+# Pipelines come from diffusers or from sdkiln's own model zoo, nowhere else.
+PIPELINE_MODULES = ("diffusers", "sdkiln.model_zoo.")
+# A float tensor may be stored in any of these (a bf16 package); integer and float8 tensors (the
+# quantized values) must have exactly the dtype their module declares.
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+BUDGET_MARGIN = 16 << 20  # elements beyond twice the stored ones: buffers, init temporaries
+# Scheduler and tokenizer settings that size arrays numpy or the tokenizer allocate (outside torch,
+# so the allocation budget does not see them).
+SCHEDULER_BOUNDS = {"num_train_timesteps": (1, 100_000), "max_image_seq_len": (1, 1 << 24)}
+MAX_TOKENIZER_LENGTH = 1 << 16
+MAX_CONFIG_INT = 1 << 31
+_FACTORIES = frozenset(
+    {
+        torch.empty,
+        torch.zeros,
+        torch.ones,
+        torch.full,
+        torch.rand,
+        torch.randn,
+        torch.randint,
+        torch.arange,
+        torch.linspace,
+        torch.logspace,
+        torch.eye,
+        torch.tensor,
+        torch.empty_strided,
+        torch.empty_like,
+        torch.zeros_like,
+        torch.ones_like,
+        torch.full_like,
+        torch.rand_like,
+        torch.randn_like,
+    }
+)
+
+
+def resolve_class(path: str, base: type, what: str, modules: tuple[str, ...] = PIPELINE_MODULES) -> type:
+    """``module:Class`` from the allow-list ``modules`` (a name ending in "." allows its submodules),
+    and a subclass of ``base``."""
+    module, _, name = path.partition(":")
+    allowed = any(module == m or (m.endswith(".") and module.startswith(m)) for m in modules)
+    if not name or not allowed:
+        raise PackageError(f"manifest.json: {what} {path!r} is not from {' or '.join(modules)}; refusing it")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as exc:
+        raise PackageError(f"manifest.json: cannot import {what} {path!r} ({exc})") from None
+    if not (isinstance(cls, type) and issubclass(cls, base)):
+        raise PackageError(f"manifest.json: {what} {path!r} is not a {base.__name__}")
+    return cls
+
+
+def _accepted_types(param: inspect.Parameter) -> tuple[type, ...] | None:
+    """The JSON types a constructor parameter takes, from its annotation (``Optional[float]``,
+    ``tuple[int, ...]``) or else its default; None when neither says."""
+    annotation = param.annotation
+    if annotation is inspect.Parameter.empty or isinstance(annotation, str):
+        default = param.default
+        if default is inspect.Parameter.empty or default is None:
+            return None
+        annotation = type(default)
+    out: list[type] = []
+    for t in (
+        typing.get_args(annotation)
+        if typing.get_origin(annotation) in (typing.Union, types.UnionType)
+        else (annotation,)
+    ):
+        t = typing.get_origin(t) or t
+        if t is type(None):
+            out.append(type(None))
+        elif t is bool:
+            out.append(bool)
+        elif t is int:
+            out.append(int)
+        elif t is float:
+            out += [int, float]
+        elif t is str:
+            out.append(str)
+        elif t in (list, tuple):
+            out.append(list)
+        elif t is dict:
+            out.append(dict)
+        else:
+            return None  # a type JSON does not name (a Literal, a class): not checked here
+    if param.default is None:  # annotated `float = None`: None is accepted too
+        out.append(type(None))
+    return tuple(out)
+
+
+def check_config_types(cls: type, config: dict[str, Any], where: str) -> dict[str, Any]:
+    """Every config value a class's constructor declares a type for must be of that type: a dict
+    where a float is expected would pass ``from_config`` and fail at the first image."""
+    params = inspect.signature(cls.__init__).parameters
+    for key, value in config.items():
+        param = params.get(key)
+        accepted = None if param is None or key.startswith("_") else _accepted_types(param)
+        if accepted is None:
+            continue
+        if type(value) not in accepted:  # exact: true is not an int
+            names = "/".join(sorted({t.__name__ for t in accepted}))
+            raise PackageError(f"{where}: {key} must be {names}, got {str(value)[:60]!r}")
+        if type(value) is float and not math.isfinite(value):
+            raise PackageError(f"{where}: {key} must be finite")
+        if type(value) is int and not -MAX_CONFIG_INT <= value < MAX_CONFIG_INT:
+            raise PackageError(f"{where}: {key} = {value} is out of range")
+    return config
+
+
+class _Budget(TorchFunctionMode):
+    def __init__(self, limit: int, where: str):
+        super().__init__()
+        self.limit, self.where, self.used = limit, where, 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in _FACTORIES and isinstance(out, torch.Tensor):
+            self.used += out.numel()
+            if self.used > self.limit:
+                raise PackageError(
+                    f"{self.where}: the config asks for more than {self.limit:,} elements, but the "
+                    "weights hold half that: config and weights do not match"
+                )
+        return out
+
+
+@contextmanager
+def bounded_build(stored_numel: int, where: str) -> Iterator[None]:
+    """Build on the meta device, stopping past the allocation budget (the module docstring)."""
+    with torch.device("meta"), _Budget(2 * stored_numel + BUDGET_MARGIN, where):
+        yield
+
+
+def _files_of(pkg: Package, name: str, suffix: str) -> list[str]:
+    return sorted(rel for rel in pkg.blobs if rel.startswith(f"{name}/") and rel.endswith(suffix))
+
+
+def component_tensors(pkg: Package, name: str) -> dict[str, torch.Tensor]:
+    """Every tensor of a component's safetensors files (one file, or the shards of a large one)."""
+    tensors: dict[str, torch.Tensor] = {}
+    for rel in _files_of(pkg, name, ".safetensors"):
+        for key, value in load_tensors(pkg.data(rel), rel).items():
+            if key in tensors:
+                raise PackageError(f"{rel}: tensor {key!r} is stored twice in {name}/")
+            tensors[key] = value
+    if not tensors:
+        raise PackageError(f"{name}/: no weights (.safetensors) for this component")
+    return tensors
+
+
+def stored_numel(pkg: Package, name: str) -> int:
+    return sum(
+        info.numel
+        for rel in _files_of(pkg, name, ".safetensors")
+        for info in read_header(pkg.data(rel), rel)[1].values()
+    )
+
+
+def fill_weights(
+    model: nn.Module, tensors: dict[str, torch.Tensor], where: str, keep: tuple[str, ...] = ()
+) -> nn.Module:
+    """Load ``tensors`` into a model built on meta, with ``assign=True``: every tensor must be one
+    the model has, of the shape it has, and no parameter or buffer may be left without a value.
+    ``keep`` names buffers the model computed itself (not stored)."""
+    expected = model.state_dict()
+    unexpected = sorted(set(tensors) - set(expected))
+    if unexpected:
+        raise PackageError(f"{where}: tensor {unexpected[0]!r} is not part of the model")
+    for key, value in tensors.items():
+        want = expected[key]
+        if tuple(value.shape) != tuple(want.shape):
+            raise PackageError(
+                f"{where}: tensor {key!r} has shape {list(value.shape)}, the model's config needs "
+                f"{list(want.shape)}"
+            )
+        if value.dtype != want.dtype and (want.dtype not in FLOAT_DTYPES or value.dtype not in FLOAT_DTYPES):
+            raise PackageError(f"{where}: tensor {key!r} is {value.dtype}, the model needs {want.dtype}")
+    model.load_state_dict(tensors, strict=False, assign=True)
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
+    missing = [
+        n
+        for n, t in list(model.named_parameters()) + list(model.named_buffers())
+        if t.is_meta and n not in keep
+    ]
+    if missing:
+        raise PackageError(
+            f"{where}: tensors missing for {missing[:3]} (refusing to initialise them randomly)"
+        )
+    return model.eval()
+
+
+def _model(pkg: Package, name: str, cls: type, library: str) -> nn.Module:
+    config_rel = f"{name}/config.json"
+    config = expect_dict(pkg.read_json(config_rel), config_rel)
+    check_config_types(cls if library == "diffusers" else cls.config_class, config, config_rel)
+    where = f"{name}/"
+    numel = stored_numel(pkg, name)
+    with (
+        third_party(config_rel, f"building {cls.__name__} from its config"),
+        bounded_build(numel, config_rel),
+    ):
+        if library == "diffusers":
+            model = cls.from_config(config)
+        else:
+            model = cls(cls.config_class.from_dict(config))
+    # Buffers a model computes from its config and does not store (CLIP's position ids): built again
+    # for real, which the budget above has already bounded.
+    stored = set(model.state_dict())
+    computed = {n for n, _ in model.named_buffers() if n not in stored}
+    if computed:
+        with third_party(config_rel, f"building {cls.__name__}'s buffers"):
+            from accelerate import init_empty_weights
+
+            with init_empty_weights(include_buffers=False):
+                model = (
+                    cls.from_config(config)
+                    if library == "diffusers"
+                    else cls(cls.config_class.from_dict(config))
+                )
+    return fill_weights(model, component_tensors(pkg, name), where, keep=tuple(computed))
+
+
+def _scheduler(pkg: Package, name: str, cls: type) -> Any:
+    rel = f"{name}/scheduler_config.json"
+    config = check_config_types(cls, expect_dict(pkg.read_json(rel), rel), rel)
+    for key, (lo, hi) in SCHEDULER_BOUNDS.items():
+        if key in config:
+            expect_int(config[key], f"{rel}: {key}", lo, hi)
+    with third_party(rel, f"building {cls.__name__}"):
+        return cls.from_config(config)
+
+
+def _tokenizer(pkg: Package, name: str, cls: type) -> Any:
+    """Tokenizers read their files by path: the verified bytes are written to a private directory
+    for them, so they read exactly what was verified."""
+    files = _files_of(pkg, name, "")
+    for rel in files:
+        if rel.endswith(".json"):
+            expect_dict(pkg.read_json(rel), rel)  # the strict JSON limits, before the tokenizer's parser
+    with tempfile.TemporaryDirectory(prefix="sdkiln-tok-") as tmp:
+        for rel in files:
+            target = Path(tmp) / Path(rel).relative_to(name)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(pkg.data(rel))
+        with third_party(f"{name}/", f"loading {cls.__name__}"):
+            tokenizer = cls.from_pretrained(tmp, local_files_only=True)
+    # Pipelines pad to model_max_length; transformers' "no limit" (1e30) or an absurd one would
+    # fail or exhaust memory at the first prompt.
+    expect_int(
+        tokenizer.model_max_length, f"{name}/tokenizer_config.json: model_max_length", 1, MAX_TOKENIZER_LENGTH
+    )
+    return tokenizer
+
+
+def load_component(pkg: Package, name: str, library: str, class_name: str) -> Any:
+    from diffusers import ModelMixin, SchedulerMixin
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+    if library not in LIBRARIES:
+        raise PackageError(f"model_index.json: component {name!r} comes from {library!r}, not {LIBRARIES}")
+    cls = resolve_class(f"{library}:{class_name}", object, f"component {name!r}", modules=LIBRARIES)
+    if issubclass(cls, ModelMixin | PreTrainedModel):
+        return _model(pkg, name, cls, library)
+    if issubclass(cls, SchedulerMixin):
+        return _scheduler(pkg, name, cls)
+    if issubclass(cls, PreTrainedTokenizerBase):
+        return _tokenizer(pkg, name, cls)
+    raise PackageError(f"model_index.json: component {name!r} is a {class_name}, which sdkiln does not load")
+
+
+def assemble(pkg: Package, pipeline_cls: type, transformer_attr: str, transformer: nn.Module) -> Any:
+    """The pipeline from ``model_index.json``: each listed component loaded from the package, the
+    transformer given, checked against what the pipeline class takes."""
+    index = expect_dict(pkg.read_json("model_index.json"), "model_index.json")
+    if index.get("_class_name") != pipeline_cls.__name__:
+        raise PackageError(
+            f"model_index.json: _class_name {index.get('_class_name')!r} but the manifest names "
+            f"{pipeline_cls.__name__}"
+        )
+    params = inspect.signature(pipeline_cls.__init__).parameters
+    components: dict[str, Any] = {}
+    for name, entry in index.items():
+        if name.startswith("_"):
+            continue
+        if name not in params or name == "self":
+            raise PackageError(f"model_index.json: {pipeline_cls.__name__} takes no component {name!r}")
+        if name == transformer_attr:
+            if entry != [type(transformer).__module__.split(".")[0], type(transformer).__name__]:
+                raise PackageError(
+                    f"model_index.json: {name} must be {['diffusers', type(transformer).__name__]}, got {entry!r}"
+                )
+            components[name] = transformer
+            continue
+        param = params[name]
+        if not isinstance(entry, list):  # a pipeline setting (Wan's boundary_ratio), not a component
+            accepted = _accepted_types(param)
+            if accepted is None or type(entry) not in accepted or type(entry) in (list, dict):
+                raise PackageError(f"model_index.json: {name!r} must be [library, class], got {short(entry)}")
+            components[name] = entry
+            continue
+        if len(entry) != 2 or not all(e is None or isinstance(e, str) for e in entry):
+            raise PackageError(
+                f"model_index.json: component {name!r} must be [library, class], got {entry!r}"
+            )
+        if entry[0] is None or entry[1] is None:
+            if param.default is inspect.Parameter.empty:
+                raise PackageError(f"model_index.json: {pipeline_cls.__name__} needs component {name!r}")
+            components[name] = None
+        else:
+            components[name] = load_component(pkg, name, *entry)
+        annotation = params[name].annotation
+        # models must be what the pipeline declares (tokenizers are declared as AutoTokenizer)
+        if (
+            isinstance(annotation, type)
+            and issubclass(annotation, nn.Module)
+            and components[name] is not None
+        ):
+            if not isinstance(components[name], annotation):
+                raise PackageError(
+                    f"model_index.json: {name} is a {type(components[name]).__name__}, "
+                    f"{pipeline_cls.__name__} takes a {annotation.__name__}"
+                )
+    missing = [
+        n
+        for n, p in params.items()
+        if n != "self"
+        and p.default is inspect.Parameter.empty
+        and n not in components
+        and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)
+    ]
+    if missing:
+        raise PackageError(f"model_index.json: {pipeline_cls.__name__} needs component {missing[0]!r}")
+    _check_vocabularies(components)
+    with third_party("model_index.json", f"assembling {pipeline_cls.__name__}"):
+        return pipeline_cls(**components)
+
+
+def _check_vocabularies(components: dict[str, Any]) -> None:
+    """Each tokenizer's ids must index its text encoder's embedding (``tokenizer_2`` feeds
+    ``text_encoder_2``): a token added in a tokenizer file would otherwise fail inside the model."""
+    for name, tokenizer in components.items():
+        encoder = components.get(name.replace("tokenizer", "text_encoder"))
+        if (
+            not name.startswith("tokenizer")
+            or tokenizer is None
+            or not hasattr(encoder, "get_input_embeddings")
+        ):
+            continue
+        rows = encoder.get_input_embeddings().num_embeddings
+        if len(tokenizer) > rows:
+            raise PackageError(
+                f"{name}/: the tokenizer has {len(tokenizer)} tokens, but "
+                f"{name.replace('tokenizer', 'text_encoder')} embeds only {rows}"
+            )
