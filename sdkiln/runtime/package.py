@@ -135,11 +135,6 @@ class Package:
     digest: str
     blobs: dict[str, bytearray] = field(repr=False, default_factory=dict)
 
-    def path(self, rel: str) -> Path:
-        """The file's place on disk, for messages; read it with ``data``, never from the path."""
-        self.data(rel)
-        return self.root / rel
-
     def data(self, rel: str) -> bytearray:
         """The verified bytes of a listed file."""
         check_relpath(rel)
@@ -150,8 +145,6 @@ class Package:
     def read_json(self, rel: str) -> Any:
         return parse_json(self.data(rel), rel)
 
-    def has(self, rel: str) -> bool:
-        return rel in self.blobs
 
 
 def _open_inside(root_fd: int, rel: str) -> int:

@@ -71,7 +71,7 @@ def results(tmp_path_factory):
 
 def _package_tensors(pkg_root):
     pkg = open_package(pkg_root)
-    return pkg.manifest, load_file(pkg.path(f"transformer/{TRANSFORMER_WEIGHTS}"))
+    return pkg.manifest, load_file(pkg.root / "transformer" / TRANSFORMER_WEIGHTS)
 
 
 @pytest.mark.parametrize("name", list(RECIPES))

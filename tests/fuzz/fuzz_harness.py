@@ -164,7 +164,7 @@ def fuzz(
                 break
             time.sleep(0.005)
             for pid, (seed, case, start) in list(running.items()):
-                done, status = os.waitpid(pid, os.WNOHANG)
+                done, status, usage = os.wait4(pid, os.WNOHANG)
                 elapsed = time.perf_counter() - start
                 if done == 0 and elapsed < timeout:
                     continue
@@ -182,6 +182,7 @@ def fuzz(
                         "message": f"exit status {status} (signal {sig})",
                     }
                 result["seconds"] = round(elapsed, 3)
+                result["max_rss_mb"] = round(usage.ru_maxrss / 1024) if done else None
                 results.append(result)
                 del running[pid]
                 shutil.rmtree(case, ignore_errors=True)
@@ -204,6 +205,8 @@ def summarize(results: list[dict], seconds: float, timeout: float, memory_gb: fl
         "timeout_s": timeout,
         "memory_cap_gb": memory_gb,
         "max_case_seconds": max((r["seconds"] for r in results), default=0),
+        # a forked case's resident set includes the pages it shares with the harness (about 0.4 GB)
+        "max_case_rss_mb": max((r["max_rss_mb"] or 0 for r in results), default=0),
         "outcomes": dict(outcomes),
         "by_mutation": {k: dict(v) for k, v in sorted(by_kind.items())},
         "inspect": dict(Counter(r.get("inspect", "?") for r in results)),
@@ -250,7 +253,8 @@ def main() -> int:
     print(file=sys.stderr)
     print(table(summary))
     print(
-        f"{summary['cases']} cases in {summary['seconds']} s (slowest {summary['max_case_seconds']} s); "
+        f"{summary['cases']} cases in {summary['seconds']} s (slowest {summary['max_case_seconds']} s, "
+        f"largest resident set {summary['max_case_rss_mb']} MB); "
         f"failures: {sum(summary['outcomes'].get(o, 0) for o in FAILURES)}"
     )
     for failure in summary["failures"][:20]:
@@ -267,12 +271,15 @@ def main() -> int:
 
         machine["torch"] = torch.__version__
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        rows = [[r["seed"], r.get("kind"), r["outcome"], r.get("inspect"), r["seconds"]] for r in results]
+        rows = [
+            [r["seed"], r.get("kind"), r["outcome"], r.get("inspect"), r["seconds"], r["max_rss_mb"]]
+            for r in results
+        ]
         report = {
             "machine": machine,
             "command": " ".join(sys.argv),
             "summary": summary,
-            "case_columns": ["seed", "mutation", "outcome", "inspect", "seconds"],
+            "case_columns": ["seed", "mutation", "outcome", "inspect", "seconds", "max_rss_mb"],
             "cases": rows,
         }
         Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
