@@ -19,6 +19,7 @@ This module imports neither torch nor the package format: the caller decides wha
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import fcntl
@@ -92,7 +93,10 @@ def _replace(new: Path, target: Path) -> Path:
     except BaseException:
         os.rename(old, target)
         raise
-    return old
+    # renamed to a temp name before it is removed: recovery restores only a complete .old-*, and
+    # a kill during the removal leaves a partial directory that recovery must only delete
+    os.rename(old, new)
+    return new
 
 
 def _recover(target: Path) -> None:
@@ -156,7 +160,8 @@ def target_lock(target: Path) -> Iterator[None]:
         yield
     finally:
         del _held[path]
-        os.unlink(path)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
         os.close(fd)
 
 

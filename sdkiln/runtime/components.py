@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import math
 import tempfile
 import types
 import typing
@@ -43,10 +42,10 @@ PIPELINE_MODULES = ("diffusers", "sdkiln.model_zoo.")
 # quantized values) must have exactly the dtype their module declares.
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 BUDGET_MARGIN = 16 << 20  # elements beyond twice the stored ones: buffers, init temporaries
+TENSOR_MARGIN = 2_000  # tensors beyond four per stored one
 # Scheduler and tokenizer settings that size arrays numpy or the tokenizer allocate (outside torch,
 # so the allocation budget does not see them).
 SCHEDULER_BOUNDS = {"num_train_timesteps": (1, 100_000), "max_image_seq_len": (1, 1 << 24)}
-MAX_TOKENIZER_LENGTH = 1 << 16
 MAX_CONFIG_INT = 1 << 31
 _FACTORIES = frozenset(
     {
@@ -89,8 +88,17 @@ def resolve_class(path: str, base: type, what: str, modules: tuple[str, ...] = P
     return cls
 
 
-def _accepted_types(param: inspect.Parameter) -> tuple[type, ...] | None:
-    """The JSON types a constructor parameter takes, from its annotation (``Optional[float]``,
+def _kind(value: Any) -> str:
+    """A JSON value's kind: numbers (and booleans, which configs use for both) are one kind."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool | int | float):
+        return "number"
+    return {str: "string", list: "list", dict: "object"}.get(type(value), type(value).__name__)
+
+
+def _accepted_kinds(param: inspect.Parameter) -> set[str] | None:
+    """The JSON kinds a constructor parameter takes, from its annotation (``Optional[float]``,
     ``tuple[int, ...]``) or else its default; None when neither says."""
     annotation = param.annotation
     if annotation is inspect.Parameter.empty or isinstance(annotation, str):
@@ -98,74 +106,74 @@ def _accepted_types(param: inspect.Parameter) -> tuple[type, ...] | None:
         if default is inspect.Parameter.empty or default is None:
             return None
         annotation = type(default)
-    out: list[type] = []
-    for t in (
-        typing.get_args(annotation)
-        if typing.get_origin(annotation) in (typing.Union, types.UnionType)
-        else (annotation,)
-    ):
+    union = typing.get_origin(annotation) in (typing.Union, types.UnionType)
+    kinds = {"null"} if param.default is None else set()  # `x: float = None` takes None too
+    for t in typing.get_args(annotation) if union else (annotation,):
         t = typing.get_origin(t) or t
-        if t is type(None):
-            out.append(type(None))
-        elif t is bool:
-            out.append(bool)
-        elif t is int:
-            out.append(int)
-        elif t is float:
-            out += [int, float]
-        elif t is str:
-            out.append(str)
-        elif t in (list, tuple):
-            out.append(list)
-        elif t is dict:
-            out.append(dict)
-        else:
+        kind = {
+            type(None): "null",
+            bool: "number",
+            int: "number",
+            float: "number",
+            str: "string",
+            list: "list",
+            tuple: "list",
+            dict: "object",
+        }.get(t)
+        if kind is None:
             return None  # a type JSON does not name (a Literal, a class): not checked here
-    if param.default is None:  # annotated `float = None`: None is accepted too
-        out.append(type(None))
-    return tuple(out)
+        kinds.add(kind)
+    return kinds
 
 
 def check_config_types(cls: type, config: dict[str, Any], where: str) -> dict[str, Any]:
-    """Every config value a class's constructor declares a type for must be of that type: a dict
-    where a float is expected would pass ``from_config`` and fail at the first image."""
+    """Every config value must be of the kind (number, string, list, object, null) its class's
+    constructor declares: a dict or a string where a float goes would pass ``from_config`` and fail
+    at the first image. Kinds, not exact types: diffusers' own configs store ``force_upcast: float``
+    as ``true``. Integers stay within 2^31."""
     params = inspect.signature(cls.__init__).parameters
     for key, value in config.items():
         param = params.get(key)
-        accepted = None if param is None or key.startswith("_") else _accepted_types(param)
-        if accepted is None:
-            continue
-        if type(value) not in accepted:  # exact: true is not an int
-            names = "/".join(sorted({t.__name__ for t in accepted}))
-            raise PackageError(f"{where}: {key} must be {names}, got {str(value)[:60]!r}")
-        if type(value) is float and not math.isfinite(value):
-            raise PackageError(f"{where}: {key} must be finite")
+        accepted = None if param is None or key.startswith("_") else _accepted_kinds(param)
+        if accepted is not None and _kind(value) not in accepted:
+            raise PackageError(f"{where}: {key} must be {' or '.join(sorted(accepted))}, got {short(value)}")
         if type(value) is int and not -MAX_CONFIG_INT <= value < MAX_CONFIG_INT:
             raise PackageError(f"{where}: {key} = {value} is out of range")
     return config
 
 
 class _Budget(TorchFunctionMode):
-    def __init__(self, limit: int, where: str):
+    """Counts what a constructor creates on the meta device (free there) and stops it once it asks
+    for more elements or tensors than the stored weights justify, or one tensor larger than all of
+    them (an intermediate of a computed buffer)."""
+
+    def __init__(self, elements: int, tensors: int, where: str):
         super().__init__()
-        self.limit, self.where, self.used = limit, where, 0
+        self.elements, self.tensors, self.where = elements, tensors, where
+        self.used = self.made = 0
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if func in _FACTORIES and isinstance(out, torch.Tensor):
-            self.used += out.numel()
-            if self.used > self.limit:
+        if isinstance(out, torch.Tensor):
+            numel = out.numel()
+            if func in _FACTORIES:
+                self.used += numel
+                self.made += 1
+            if numel > self.elements or self.used > self.elements or self.made > self.tensors:
                 raise PackageError(
-                    f"{self.where}: the config asks for more than {self.limit:,} elements, but the "
-                    "weights hold half that: config and weights do not match"
+                    f"{self.where}: the config asks for more than {self.elements:,} elements or "
+                    f"{self.tensors:,} tensors, far more than the stored weights hold: config and weights "
+                    "do not match"
                 )
         return out
 
 
 @contextmanager
-def bounded_build(stored_numel: int, where: str) -> Iterator[None]:
-    """Build on the meta device, stopping past the allocation budget (the module docstring)."""
-    with torch.device("meta"), _Budget(2 * stored_numel + BUDGET_MARGIN, where):
+def bounded_build(stored: tuple[int, int], where: str) -> Iterator[None]:
+    """Build on the meta device, stopping past the allocation budget for ``stored`` (elements,
+    tensors) weights (the module docstring)."""
+    numel, count = stored
+    with torch.device("meta"), _Budget(2 * numel + BUDGET_MARGIN, 4 * count + TENSOR_MARGIN, where):
         yield
 
 
@@ -186,12 +194,14 @@ def component_tensors(pkg: Package, name: str) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def stored_numel(pkg: Package, name: str) -> int:
-    return sum(
-        info.numel
+def stored_size(pkg: Package, name: str) -> tuple[int, int]:
+    """The elements and the number of tensors a component's safetensors hold."""
+    infos = [
+        info
         for rel in _files_of(pkg, name, ".safetensors")
         for info in read_header(pkg.data(rel), rel)[1].values()
-    )
+    ]
+    return sum(info.numel for info in infos), len(infos)
 
 
 def fill_weights(
@@ -232,31 +242,30 @@ def _model(pkg: Package, name: str, cls: type, library: str) -> nn.Module:
     config_rel = f"{name}/config.json"
     config = expect_dict(pkg.read_json(config_rel), config_rel)
     check_config_types(cls if library == "diffusers" else cls.config_class, config, config_rel)
-    where = f"{name}/"
-    numel = stored_numel(pkg, name)
     with (
         third_party(config_rel, f"building {cls.__name__} from its config"),
-        bounded_build(numel, config_rel),
+        bounded_build(stored_size(pkg, name), config_rel),
     ):
-        if library == "diffusers":
-            model = cls.from_config(config)
-        else:
-            model = cls(cls.config_class.from_dict(config))
-    # Buffers a model computes from its config and does not store (CLIP's position ids): built again
-    # for real, which the budget above has already bounded.
+        model = cls.from_config(config) if library == "diffusers" else cls(cls.config_class.from_dict(config))
+    # Buffers a model computes from its config and does not store (CLIP's position ids) are built
+    # again for real: only when the meta build says they are small.
     stored = set(model.state_dict())
-    computed = {n for n, _ in model.named_buffers() if n not in stored}
+    computed = {n: b.numel() for n, b in model.named_buffers() if n not in stored}
+    if sum(computed.values()) > BUDGET_MARGIN:
+        raise PackageError(
+            f"{config_rel}: buffers of {sum(computed.values()):,} elements computed from the config"
+        )
     if computed:
-        with third_party(config_rel, f"building {cls.__name__}'s buffers"):
-            from accelerate import init_empty_weights
+        from accelerate import init_empty_weights
 
-            with init_empty_weights(include_buffers=False):
-                model = (
-                    cls.from_config(config)
-                    if library == "diffusers"
-                    else cls(cls.config_class.from_dict(config))
-                )
-    return fill_weights(model, component_tensors(pkg, name), where, keep=tuple(computed))
+        with (
+            third_party(config_rel, f"building {cls.__name__}'s buffers"),
+            init_empty_weights(include_buffers=False),
+        ):
+            model = (
+                cls.from_config(config) if library == "diffusers" else cls(cls.config_class.from_dict(config))
+            )
+    return fill_weights(model, component_tensors(pkg, name), f"{name}/", keep=tuple(computed))
 
 
 def _scheduler(pkg: Package, name: str, cls: type) -> Any:
@@ -283,21 +292,23 @@ def _tokenizer(pkg: Package, name: str, cls: type) -> Any:
             target.write_bytes(pkg.data(rel))
         with third_party(f"{name}/", f"loading {cls.__name__}"):
             tokenizer = cls.from_pretrained(tmp, local_files_only=True)
-    # Pipelines pad to model_max_length; transformers' "no limit" (1e30) or an absurd one would
-    # fail or exhaust memory at the first prompt.
-    expect_int(
-        tokenizer.model_max_length, f"{name}/tokenizer_config.json: model_max_length", 1, MAX_TOKENIZER_LENGTH
-    )
     return tokenizer
 
 
-def load_component(pkg: Package, name: str, library: str, class_name: str) -> Any:
+def load_component(pkg: Package, name: str, library: str, class_name: str, declared: Any = None) -> Any:
+    """One component from its files. ``declared``, the pipeline's annotation for it, is checked
+    before anything is built: a model must be of the declared class (a transformer posing as a VAE
+    is refused before its constructor runs)."""
     from diffusers import ModelMixin, SchedulerMixin
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
     if library not in LIBRARIES:
         raise PackageError(f"model_index.json: component {name!r} comes from {library!r}, not {LIBRARIES}")
     cls = resolve_class(f"{library}:{class_name}", object, f"component {name!r}", modules=LIBRARIES)
+    if isinstance(declared, type) and issubclass(declared, nn.Module) and not issubclass(cls, declared):
+        raise PackageError(
+            f"model_index.json: {name} is a {class_name}, the pipeline takes a {declared.__name__}"
+        )
     if issubclass(cls, ModelMixin | PreTrainedModel):
         return _model(pkg, name, cls, library)
     if issubclass(cls, SchedulerMixin):
@@ -332,8 +343,8 @@ def assemble(pkg: Package, pipeline_cls: type, transformer_attr: str, transforme
             continue
         param = params[name]
         if not isinstance(entry, list):  # a pipeline setting (Wan's boundary_ratio), not a component
-            accepted = _accepted_types(param)
-            if accepted is None or type(entry) not in accepted or type(entry) in (list, dict):
+            accepted = _accepted_kinds(param)
+            if accepted is None or _kind(entry) not in accepted - {"list", "object"}:
                 raise PackageError(f"model_index.json: {name!r} must be [library, class], got {short(entry)}")
             components[name] = entry
             continue
@@ -346,19 +357,7 @@ def assemble(pkg: Package, pipeline_cls: type, transformer_attr: str, transforme
                 raise PackageError(f"model_index.json: {pipeline_cls.__name__} needs component {name!r}")
             components[name] = None
         else:
-            components[name] = load_component(pkg, name, *entry)
-        annotation = params[name].annotation
-        # models must be what the pipeline declares (tokenizers are declared as AutoTokenizer)
-        if (
-            isinstance(annotation, type)
-            and issubclass(annotation, nn.Module)
-            and components[name] is not None
-        ):
-            if not isinstance(components[name], annotation):
-                raise PackageError(
-                    f"model_index.json: {name} is a {type(components[name]).__name__}, "
-                    f"{pipeline_cls.__name__} takes a {annotation.__name__}"
-                )
+            components[name] = load_component(pkg, name, *entry, declared=param.annotation)
     missing = [
         n
         for n, p in params.items()
@@ -370,6 +369,8 @@ def assemble(pkg: Package, pipeline_cls: type, transformer_attr: str, transforme
     if missing:
         raise PackageError(f"model_index.json: {pipeline_cls.__name__} needs component {missing[0]!r}")
     _check_vocabularies(components)
+    if pipeline_cls.__module__.startswith("sdkiln."):  # our own pipeline: a failure is our bug
+        return pipeline_cls(**components)
     with third_party("model_index.json", f"assembling {pipeline_cls.__name__}"):
         return pipeline_cls(**components)
 

@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 from typing import Any
 
@@ -34,7 +35,7 @@ from sdkiln.runtime.components import (
     component_tensors,
     fill_weights,
     resolve_class,
-    stored_numel,
+    stored_size,
 )
 from sdkiln.runtime.manifest_schema import expect_dict
 from sdkiln.runtime.package import TRANSFORMER_WEIGHTS, Package, open_package
@@ -56,7 +57,7 @@ def build_transformer(pkg: Package) -> nn.Module:
     check_config_types(cls, config, where)
     with (
         third_party(where, f"building {cls.__name__}"),
-        bounded_build(stored_numel(pkg, info["transformer_attr"]), where),
+        bounded_build(stored_size(pkg, info["transformer_attr"]), where),
     ):
         return cls.from_config(config)
 
@@ -92,6 +93,11 @@ def _assemble(pkg: Package, transformer: nn.Module):
 
     info = pkg.manifest["model"]
     pipeline_cls = resolve_class(info["pipeline_class"], DiffusionPipeline, "pipeline class")
+    call = pkg.manifest["call"]
+    takes = inspect.signature(pipeline_cls.__call__).parameters
+    for key in [call["guidance_arg"], *call["defaults"]]:
+        if key not in takes:
+            raise PackageError(f"manifest.json: call: {pipeline_cls.__name__} takes no argument {key!r}")
     pipe = assemble(pkg, pipeline_cls, info["transformer_attr"], transformer)
     pipe.set_progress_bar_config(disable=True)
     pipe.sdkiln_manifest = pkg.manifest

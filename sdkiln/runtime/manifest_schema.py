@@ -33,6 +33,8 @@ CALL_BOUNDS: dict[str, tuple[type, float, float]] = {
     "num_images_per_prompt": (int, 1, 16),
 }
 GUIDANCE_BOUNDS = (0.0, 100.0)
+GUIDANCE_ARG = re.compile(r"[a-z_]*(guidance|cfg)[a-z_0-9]*")  # guidance_scale, FLUX's true_cfg_scale
+MAX_CALL_PIXELS = 1 << 28  # 4096 x 4096 x 16 images; Wan 720p's 81 frames are 75M
 # The manifest's model fields: the pattern each string must match, and its longest length.
 MODEL_FIELDS: dict[str, tuple[re.Pattern | None, int]] = {
     "family": (None, 200),
@@ -93,6 +95,8 @@ def short(value: Any) -> str:
 
 
 def check_call_defaults(defaults: Any, guidance_arg: str, where: str) -> dict[str, Any]:
+    """Known pipeline arguments within bounds, each alone and together: the pixels of one call
+    (height x width x frames x images) are bounded too."""
     expect_dict(defaults, where)
     for key, value in defaults.items():
         at = f"{where}.{key}"
@@ -112,6 +116,14 @@ def check_call_defaults(defaults: Any, guidance_arg: str, where: str) -> dict[st
                 f"is not a pipeline argument a package may set (allowed: {sorted(CALL_BOUNDS)}, "
                 f"{guidance_arg}, output_type, negative_prompt)",
             )
+    pixels = 1
+    for key in ("height", "width", "num_frames", "num_images_per_prompt"):
+        pixels *= defaults.get(key, 1)
+    if pixels > MAX_CALL_PIXELS:
+        raise fail(
+            where,
+            f"height x width x num_frames x num_images_per_prompt = {pixels:,} (at most {MAX_CALL_PIXELS:,})",
+        )
     return defaults
 
 
@@ -160,7 +172,7 @@ def check_manifest(m: Any) -> None:
         raise fail(f"{at}.{unknown[0]}", "is not a model field of schema version 1")
 
     call = expect_dict(m["call"], f"{where}: call", ("guidance_arg", "defaults"))
-    guidance_arg = expect_str(call["guidance_arg"], f"{where}: call.guidance_arg", IDENTIFIER)
+    guidance_arg = expect_str(call["guidance_arg"], f"{where}: call.guidance_arg", GUIDANCE_ARG, 64)
     check_call_defaults(call["defaults"], guidance_arg, f"{where}: call.defaults")
 
     recipe = expect_dict(m["recipe"], f"{where}: recipe", ("name", "version", "steps"))

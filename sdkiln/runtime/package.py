@@ -54,7 +54,11 @@ def _parse_int(text: str) -> int:
 
 
 def _parse_constant(name: str) -> float:
-    raise ValueError(f"{name} is not JSON")
+    """``Infinity`` and ``-Infinity`` are what Python's json writes for infinite floats (a scheduler's
+    ``lambda_min_clipped``); NaN compares unequal to everything and is refused."""
+    if name == "NaN":
+        raise ValueError("NaN is not allowed")
+    return float(name.replace("Infinity", "inf"))
 
 
 def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -79,8 +83,9 @@ def _depth(value: Any) -> int:
 
 
 def parse_json(data: bytes | bytearray | memoryview, where: str) -> Any:
-    """Strict JSON: UTF-8, no NaN/Infinity, no duplicate keys, integers of at most 40 digits, at most
-    64 levels of nesting; anything else is a PackageError naming ``where``."""
+    """Strict JSON: UTF-8, no NaN, no duplicate keys, integers of at most 40 digits, at most 64 levels
+    of nesting; anything else is a PackageError naming ``where``. Infinite floats pass here (Python
+    writes them); fields that need finite numbers check that themselves."""
     try:
         value = json.loads(
             bytes(data).decode("utf-8"),
@@ -146,7 +151,6 @@ class Package:
         return parse_json(self.data(rel), rel)
 
 
-
 def _open_inside(root_fd: int, rel: str) -> int:
     """Open ``rel`` below the directory ``root_fd`` one component at a time, following no link, so a
     directory swapped for a link after the walk cannot lead outside the package."""
@@ -158,7 +162,8 @@ def _open_inside(root_fd: int, rel: str) -> int:
             if fd != root_fd:
                 os.close(fd)
             fd = nxt
-        return os.open(name, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=fd)
+        # O_NONBLOCK: a FIFO planted in the package must not block the open
+        return os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=fd)
     finally:
         if fd != root_fd:
             os.close(fd)
@@ -185,7 +190,10 @@ def _read_verified(root_fd: int, rel: str, meta: Any) -> bytearray:
         actual = stat.st_size
         if actual != size:
             raise PackageError(f"{rel}: size {actual} != {size} in {MANIFEST} (corrupt or tampered)")
-        data = bytearray(size)
+        try:
+            data = bytearray(size)
+        except MemoryError:
+            raise PackageError(f"{rel}: {size:,} bytes do not fit in this machine's memory") from None
         if fh.readinto(data) != size or fh.read(1):
             raise PackageError(f"{rel}: changed size while it was read (being rewritten?)")
     if hashlib.sha256(data).hexdigest() != expected:

@@ -33,6 +33,7 @@ DTYPES = {
 }
 MAX_HEADER_BYTES = 100 << 20  # the safetensors library's own limit
 MAX_DIMS = 8
+MAX_DIM = 1 << 40
 
 
 @dataclass(frozen=True)
@@ -73,7 +74,7 @@ def read_header(data: bytearray, where: str) -> tuple[int, dict[str, TensorInfo]
         if (
             not isinstance(shape, list)
             or len(shape) > MAX_DIMS
-            or not all(type(d) is int and d >= 0 for d in shape)
+            or not all(type(d) is int and 0 <= d < MAX_DIM for d in shape)
         ):
             raise PackageError(f"{where}: tensor {name!r}: shape {shape!r} is not a list of sizes")
         if not (

@@ -222,7 +222,7 @@ def test_a_filesystem_without_exchange_falls_back_to_two_renames(versions, monke
     monkeypatch.setattr(atomic, "_renameat2", _fake_renameat2(err, exchanges))
     renames = _failing_rename(monkeypatch, set())
     _replace_with(target, b)
-    assert len(exchanges) == 1 and len(renames) == 2
+    assert len(exchanges) == 1 and len(renames) == 3  # aside, in, and the old one to a temp name
     assert _tree(target) == _tree(b) and os.listdir(target.parent) == ["t"]
 
 

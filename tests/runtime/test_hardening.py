@@ -9,6 +9,7 @@ manifest re-signed (as a forger would), so the check behind the hashes is what i
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 import time
@@ -19,6 +20,7 @@ import pytest
 import sdkiln
 from sdkiln.cli import main
 from sdkiln.errors import PackageError, SdkilnError
+from sdkiln.runtime.cache.guard import INDICATOR
 from sdkiln.runtime.package import open_package
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fuzz"))
@@ -59,7 +61,56 @@ HOSTILE_EDITS = {
     "vae layers_per_block float": (
         "vae/config.json",
         lambda c: c.update(layers_per_block=1e30),
-        "must be int",
+        "building AutoencoderKL from its config failed",
+    ),
+    "text encoder 20000 tiny layers": (
+        "text_encoder/config.json",
+        lambda c: c.update(
+            num_hidden_layers=20_000, hidden_size=4, intermediate_size=1, num_attention_heads=1
+        ),
+        "tensors",
+    ),
+    "vae shift_factor a string": (
+        "vae/config.json",
+        lambda c: c.update(shift_factor="x"),
+        "shift_factor must be",
+    ),
+    "transformer posing as the VAE": (
+        "model_index.json",
+        lambda c: c.update(vae=["diffusers", "PixArtTransformer2DModel"]),
+        "the pipeline takes a AutoencoderKL",
+    ),
+    "guidance_arg is the prompt": (
+        "manifest.json",
+        lambda m: m["call"].update(guidance_arg="prompt"),
+        "guidance_arg",
+    ),
+    "guidance_arg the pipeline lacks": (
+        "manifest.json",
+        lambda m: m["call"].update(
+            guidance_arg="cfg_weight",
+            defaults={
+                "cfg_weight" if k == "true_cfg_scale" else k: v for k, v in m["call"]["defaults"].items()
+            },
+        ),
+        "takes no argument 'cfg_weight'",
+    ),
+    "call pixels": (
+        "manifest.json",
+        lambda m: m["call"]["defaults"].update(
+            height=4096, width=4096, num_images_per_prompt=16, num_frames=2
+        ),
+        "at most",
+    ),
+    "cache sigmas infinite": (
+        "schedules/cache_schedule.json",
+        lambda s: s.update(sigmas=[1e999] * 4),
+        "finite",
+    ),
+    "cache guard quantile a string": (
+        "schedules/cache_schedule.json",
+        lambda s: s.update(guards={"indicator": INDICATOR, "thresholds": {}, "quantile": "x", "margin": 1.0}),
+        "quantile",
     ),
     "vae block_out_channels 100000": (
         "vae/config.json",
@@ -112,11 +163,6 @@ HOSTILE_EDITS = {
         "dynamic_steps",
     ),
     "recipe steps a dict": ("manifest.json", lambda m: m["recipe"].update(steps={}), "recipe.steps"),
-    "tokenizer max length 1e30": (
-        "tokenizer/tokenizer_config.json",
-        lambda t: t.update(model_max_length=10**30),
-        "model_max_length",
-    ),
     "text encoder vocabulary grows": (
         "tokenizer/tokenizer_config.json",
         lambda t: t.update(pad_token="<a-new-token>"),
@@ -228,6 +274,13 @@ def test_a_bug_in_sdkiln_keeps_its_traceback(pkg, monkeypatch, capsys):
         main(["--debug", *args])
 
 
+def test_a_pipeline_failure_inside_another_library_is_one_run_error(pkg, capsys):
+    """transformers' "no limit" tokenizer length passes loading; CLIP's pipeline then pads to it."""
+    edit_json(pkg, "tokenizer/tokenizer_config.json", lambda t: t.update(model_max_length=10**30))
+    assert main(["run", str(pkg), "--prompt", "x", "--out", str(pkg.parent / "x.png")]) == 2
+    assert "the package's configs do not work together" in capsys.readouterr().err
+
+
 def test_debug_shows_the_traceback_of_a_clean_error(pkg):
     edit_json(pkg, "manifest.json", lambda m: m.update(schema_version=2))
     with pytest.raises(PackageError, match="schema_version"):
@@ -289,3 +342,12 @@ def test_every_bad_command_line_prints_one_line_and_exits_2(pkg, tmp_path, capsy
         assert len(err.splitlines()) == 1 and err.startswith("sdkiln: error: "), (argv, err)
         assert len(err) < 1100, argv
     assert (tmp_path / "existing" / "notes.txt").read_text() == "mine"
+
+
+def test_a_fifo_in_the_package_does_not_block_the_loader(pkg):
+    os.mkfifo(pkg / "eval" / "pipe.json")
+    edit_json(
+        pkg, "manifest.json", lambda m: m["files"].update({"eval/pipe.json": {"sha256": "0" * 64, "size": 0}})
+    )
+    with pytest.raises(PackageError, match="not a regular file"):
+        open_package(pkg)

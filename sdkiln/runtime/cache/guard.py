@@ -19,6 +19,7 @@ parallel runtime needs.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,6 +69,10 @@ class Guard:
         thresholds = {
             str(b): [None if t is None else float(t) for t in ts] for b, ts in dict(d["thresholds"]).items()
         }
+        for key in ("quantile", "margin"):
+            value = d.get(key)
+            if value is not None and not (type(value) in (int, float) and math.isfinite(value)):
+                raise ValueError(f"cache guard {key} must be a finite number, got {value!r}")
         return cls(thresholds, d.get("quantile"), d.get("margin"))
 
     def to_dict(self) -> dict[str, Any]:

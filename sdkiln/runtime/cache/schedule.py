@@ -299,16 +299,29 @@ class CacheSchedule:
                 f"version {FORMAT_VERSION}"
             )
         try:
+            if not (
+                isinstance(d["actions"], dict)
+                and isinstance(d["sigmas"], list)
+                and isinstance(d["blocks"], list)
+            ):
+                raise ValueError("actions must be an object, sigmas and blocks lists")
             if (
                 len(d["sigmas"]) > MAX_STEPS
                 or len(d["actions"]) > MAX_BRANCHES
                 or len(d["blocks"]) > MAX_BRANCHES
             ):
                 raise ValueError(f"more than {MAX_STEPS} steps or {MAX_BRANCHES} branches or block lists")
-            if not all(isinstance(a, str) for v in d["actions"].values() for a in v):
+            if not all(
+                isinstance(v, list) and all(isinstance(a, str) for a in v) for v in d["actions"].values()
+            ):
                 raise ValueError("actions must be lists of strings")
-            if not all(type(s) in (int, float) for s in d["sigmas"]):
-                raise ValueError("sigmas must be numbers")
+            if not all(type(s) in (int, float) and math.isfinite(s) for s in d["sigmas"]):
+                raise ValueError("sigmas must be finite numbers")
+            if not all(isinstance(b, dict) for b in d["blocks"]):
+                raise ValueError("blocks must be objects")
+            for key in ("fingerprint", "guards", "expected", "search"):
+                if not isinstance(d.get(key, {}), dict):
+                    raise ValueError(f"{key} must be an object")
             schedule = cls(
                 actions={str(k): [Action.parse(a) for a in v] for k, v in d["actions"].items()},
                 sigmas=[float(s) for s in d["sigmas"]],
@@ -320,7 +333,7 @@ class CacheSchedule:
                 expected=dict(d.get("expected", {})),
                 search=dict(d.get("search", {})),
             )
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        except (KeyError, TypeError, ValueError) as exc:
             raise PackageError(f"{where}: invalid cache schedule: {exc}") from None
         if d.get("num_steps") != schedule.num_steps:
             raise PackageError(f"{where}: num_steps {d.get('num_steps')} but {schedule.num_steps} sigmas")
