@@ -47,6 +47,7 @@ TENSOR_MARGIN = 2_000  # tensors beyond four per stored one
 # so the allocation budget does not see them).
 SCHEDULER_BOUNDS = {"num_train_timesteps": (1, 100_000), "max_image_seq_len": (1, 1 << 24)}
 MAX_CONFIG_INT = 1 << 31
+MAX_TOKENIZER_LENGTH = 1 << 20
 _FACTORIES = frozenset(
     {
         torch.empty,
@@ -292,6 +293,15 @@ def _tokenizer(pkg: Package, name: str, cls: type) -> Any:
             target.write_bytes(pkg.data(rel))
         with third_party(f"{name}/", f"loading {cls.__name__}"):
             tokenizer = cls.from_pretrained(tmp, local_files_only=True)
+    # Pipelines pad CLIP prompts to model_max_length. The tokenizers library allocates that many
+    # tokens (and aborts the process when it cannot); at 2^64 and above (transformers' "no limit",
+    # int(1e30)) it refuses with an OverflowError, which a run reports as one RunError.
+    length = tokenizer.model_max_length
+    if MAX_TOKENIZER_LENGTH < length < 2**64:
+        raise PackageError(
+            f"{name}/tokenizer_config.json: model_max_length {length}: padding to it would allocate "
+            f"that many tokens (at most {MAX_TOKENIZER_LENGTH:,}, or transformers' 'no limit')"
+        )
     return tokenizer
 
 

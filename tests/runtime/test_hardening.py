@@ -163,6 +163,11 @@ HOSTILE_EDITS = {
         "dynamic_steps",
     ),
     "recipe steps a dict": ("manifest.json", lambda m: m["recipe"].update(steps={}), "recipe.steps"),
+    "tokenizer pads to a billion tokens": (
+        "tokenizer/tokenizer_config.json",
+        lambda t: t.update(model_max_length=10**9),
+        "model_max_length",
+    ),
     "text encoder vocabulary grows": (
         "tokenizer/tokenizer_config.json",
         lambda t: t.update(pad_token="<a-new-token>"),
