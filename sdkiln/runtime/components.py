@@ -297,6 +297,10 @@ def _tokenizer(pkg: Package, name: str, cls: type) -> Any:
     # tokens (and aborts the process when it cannot); at 2^64 and above (transformers' "no limit",
     # int(1e30)) it refuses with an OverflowError, which a run reports as one RunError.
     length = tokenizer.model_max_length
+    if type(length) is not int:
+        raise PackageError(
+            f"{name}/tokenizer_config.json: model_max_length must be an integer, got {short(length)}"
+        )
     if MAX_TOKENIZER_LENGTH < length < 2**64:
         raise PackageError(
             f"{name}/tokenizer_config.json: model_max_length {length}: padding to it would allocate "

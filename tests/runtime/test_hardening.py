@@ -168,6 +168,11 @@ HOSTILE_EDITS = {
         lambda t: t.update(model_max_length=10**9),
         "model_max_length",
     ),
+    "tokenizer length a string": (
+        "tokenizer/tokenizer_config.json",
+        lambda t: t.update(model_max_length="x"),
+        "model_max_length must be an integer",
+    ),
     "text encoder vocabulary grows": (
         "tokenizer/tokenizer_config.json",
         lambda t: t.update(pad_token="<a-new-token>"),
