@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -53,9 +54,7 @@ def _text(value: str, what: str) -> str:
     try:
         value.encode("utf-8")
     except UnicodeEncodeError:
-        raise SdkilnError(
-            f"{what} {value.encode('utf-8', 'backslashreplace').decode()!r} is not valid UTF-8"
-        ) from None
+        raise SdkilnError(f"{what} {os.fsencode(value)!r} is not valid UTF-8") from None
     return value
 
 
@@ -63,8 +62,8 @@ def _print_error(message: str) -> None:
     line = " ".join(str(message).split())
     if len(line) > MAX_ERROR_CHARS:
         line = line[: MAX_ERROR_CHARS - 3] + "..."
-    sys.stderr.buffer.write(f"sdkiln: error: {line}\n".encode("utf-8", "backslashreplace"))
-    sys.stderr.flush()
+    # lone surrogates (command-line bytes that are not UTF-8) would make the write itself fail
+    print(f"sdkiln: error: {line}".encode("utf-8", "backslashreplace").decode("utf-8"), file=sys.stderr)
 
 
 def _quality_lines(q: dict[str, Any], source: str) -> list[str]:
