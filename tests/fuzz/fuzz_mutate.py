@@ -163,11 +163,26 @@ def json_raw(root: Path, rng: random.Random) -> str:
     return f"{rel}: replaced by {raw[:20]!r}... ({len(raw)} bytes)"
 
 
-def safetensors_header(root: Path, rng: random.Random) -> str:
-    rel = _pick(root, rng, ".safetensors")
-    data = (root / rel).read_bytes()
+def rewrite_header(path: Path, change) -> None:
+    """Apply ``change`` to a safetensors file's JSON header in place, the data left as it is."""
+    data = path.read_bytes()
     n = int.from_bytes(data[:8], "little")
     header = json.loads(data[8 : 8 + n])
+    change(header)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(len(text).to_bytes(8, "little") + text + data[8 + n :])
+
+
+def safetensors_header(root: Path, rng: random.Random) -> str:
+    rel = _pick(root, rng, ".safetensors")
+    what = {}
+    rewrite_header(root / rel, lambda header: what.update(_edit_header(header, rng)))
+    resign(root)
+    return f"{rel}: header entry {what['name']!r} edited ({what['op']})"
+
+
+def _edit_header(header: dict, rng: random.Random) -> dict:
     names = [k for k in header if k != "__metadata__"]
     name = rng.choice(names)
     entry = header[name]
@@ -193,11 +208,7 @@ def safetensors_header(root: Path, rng: random.Random) -> str:
     else:
         other = rng.choice(names)
         header[name], header[other] = header[other], header[name]
-    text = json.dumps(header).encode()
-    text += b" " * (-len(text) % 8)
-    (root / rel).write_bytes(len(text).to_bytes(8, "little") + text + data[8 + n :])
-    resign(root)
-    return f"{rel}: header entry {name!r} edited ({op})"
+    return {"name": name, "op": op}
 
 
 def path_trick(root: Path, rng: random.Random) -> str:

@@ -24,7 +24,7 @@ from sdkiln.runtime.cache.guard import INDICATOR
 from sdkiln.runtime.package import open_package
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fuzz"))
-from fuzz_mutate import resign  # noqa: E402
+from fuzz_mutate import resign, rewrite_header  # noqa: E402
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "schema1_flux_tiny" / "package"
 FAST_S = 5.0  # a refusal is a check, not a build: generous for a loaded 2-core CI machine
@@ -192,13 +192,7 @@ def test_hostile_package_edit_is_one_clean_error_fast(pkg, name):
 
 
 def safetensors_header(root: Path, rel: str, change) -> None:
-    data = (root / rel).read_bytes()
-    n = int.from_bytes(data[:8], "little")
-    header = json.loads(data[8 : 8 + n])
-    change(header)
-    text = json.dumps(header).encode()
-    text += b" " * (-len(text) % 8)
-    (root / rel).write_bytes(len(text).to_bytes(8, "little") + text + data[8 + n :])
+    rewrite_header(root / rel, change)
     resign(root)
 
 
@@ -307,50 +301,52 @@ BOMB = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
 )
 
 
-def bad_command_lines(tmp: Path, pkg: Path) -> list[list[str]]:
-    (tmp / "latin1.yaml").write_bytes(b"name: caf\xe9\n")
-    (tmp / "bomb.yaml").write_text(BOMB)
-    (tmp / "existing").mkdir()
-    (tmp / "existing" / "notes.txt").write_text("mine")
-    out = str(tmp / "x.png")
-    run = ["run", str(pkg), "--prompt", "a cat", "--out", out]
-    return [
-        ["optimize", "flux-tiny", "--out", str(tmp / "o"), "--steps", "0"],
-        ["optimize", "flux-tiny", "--out", str(tmp / "o"), "--steps", "-1"],
-        ["optimize", "flux-tiny", "--out", str(tmp / "o"), "--guidance", "nan"],
-        ["optimize", "flux-tiny", "--out", str(tmp / "o"), "--eval-samples", "-1"],
-        ["optimize", "flux-tiny", "--out", str(tmp / "o"), "--recipe", str(tmp / "latin1.yaml")],
-        ["optimize", "flux-tiny", "--out", str(tmp / "o"), "--recipe", str(tmp / "bomb.yaml")],
-        ["optimize", "flux-tiny", "--out", str(tmp / "o"), "--recipe", "caf\udce9"],
-        ["optimize", str(pkg), "--out", str(tmp / "o")],
-        ["optimize", "flux-tiny", "--out", str(tmp / "existing")],
-        ["optimize", "flux-tiny", "--out", str(tmp / "existing"), "--force"],
-        [*run[:3], "caf\udce9", *run[4:]],
-        [*run, "--steps", "-1"],
-        [*run, "--steps", "0"],
-        [*run, "--steps", "1e9"],
-        [*run, "--height", "-64"],
-        [*run, "--height", "1000000"],
-        [*run, "--device", "bogus"],
-        [*run, "--device", "cuda"],
-        [*run, "--seed", str(2**70)],
-        [*run[:-1], str(tmp / "x.unknown")],
-        ["run", str(tmp / "missing"), "--prompt", "x"],
-        ["eval", str(pkg), "--num-samples", "0"],
-        ["inspect", str(pkg), "--digest", "md5:1"],
-        ["export-ascend", str(pkg), "--out", str(tmp / "existing")],
-        ["frobnicate"],
-    ]
+OPT = ["optimize", "flux-tiny", "--out", "TMP/o"]
+RUN = ["run", "PKG", "--prompt", "a cat", "--out", "TMP/x.png"]
+# Every kind of bad command line the outside run found printing a traceback; PKG and TMP stand for
+# the package and a directory holding the files named here.
+BAD_COMMAND_LINES = {
+    "optimize --steps 0": [*OPT, "--steps", "0"],
+    "optimize --steps -1": [*OPT, "--steps", "-1"],
+    "optimize --guidance nan": [*OPT, "--guidance", "nan"],
+    "optimize --eval-samples -1": [*OPT, "--eval-samples", "-1"],
+    "recipe file not UTF-8": [*OPT, "--recipe", "TMP/latin1.yaml"],
+    "recipe file a YAML alias bomb": [*OPT, "--recipe", "TMP/bomb.yaml"],
+    "recipe name not UTF-8": [*OPT, "--recipe", "caf\udce9"],
+    "a package as the base model": ["optimize", "PKG", "--out", "TMP/o"],
+    "existing --out without --force": ["optimize", "flux-tiny", "--out", "TMP/existing"],
+    "--force onto user files": ["optimize", "flux-tiny", "--out", "TMP/existing", "--force"],
+    "prompt not UTF-8": [*RUN[:3], "caf\udce9", *RUN[4:]],
+    "run --steps -1": [*RUN, "--steps", "-1"],
+    "run --steps 0": [*RUN, "--steps", "0"],
+    "run --steps 1e9": [*RUN, "--steps", "1e9"],
+    "run --height -64": [*RUN, "--height", "-64"],
+    "run --height 1000000": [*RUN, "--height", "1000000"],
+    "run --device bogus": [*RUN, "--device", "bogus"],
+    "run --device cuda without CUDA": [*RUN, "--device", "cuda"],
+    "run --seed 2**70": [*RUN, "--seed", str(2**70)],
+    "run --out of an unknown image type": [*RUN[:-1], "TMP/x.unknown"],
+    "run a missing package": ["run", "TMP/missing", "--prompt", "x"],
+    "eval --num-samples 0": ["eval", "PKG", "--num-samples", "0"],
+    "inspect --digest malformed": ["inspect", "PKG", "--digest", "md5:1"],
+    "export-ascend onto user files": ["export-ascend", "PKG", "--out", "TMP/existing"],
+    "unknown command": ["frobnicate"],
+}
 
 
-def test_every_bad_command_line_prints_one_line_and_exits_2(pkg, tmp_path, capsys):
-    for argv in bad_command_lines(tmp_path, pkg):
-        with pytest.raises(SystemExit) as exit_info:
-            sys.exit(main(argv))
-        err = capsys.readouterr().err.strip()
-        assert exit_info.value.code == 2, (argv, err)
-        assert len(err.splitlines()) == 1 and err.startswith("sdkiln: error: "), (argv, err)
-        assert len(err) < 1100, argv
+@pytest.mark.parametrize("name", list(BAD_COMMAND_LINES))
+def test_every_bad_command_line_prints_one_line_and_exits_2(pkg, tmp_path, capsys, name):
+    (tmp_path / "latin1.yaml").write_bytes(b"name: caf\xe9\n")
+    (tmp_path / "bomb.yaml").write_text(BOMB)
+    (tmp_path / "existing").mkdir()
+    (tmp_path / "existing" / "notes.txt").write_text("mine")
+    argv = [a.replace("PKG", str(pkg)).replace("TMP", str(tmp_path)) for a in BAD_COMMAND_LINES[name]]
+    with pytest.raises(SystemExit) as exit_info:
+        sys.exit(main(argv))
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2, err
+    assert len(err.splitlines()) == 1 and err.startswith("sdkiln: error: "), err
+    assert len(err) < 1100
     assert (tmp_path / "existing" / "notes.txt").read_text() == "mine"
 
 
