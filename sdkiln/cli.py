@@ -95,10 +95,8 @@ def cmd_optimize(args) -> int:
     _text(args.recipe, "--recipe")
     if args.model is not None:
         _text(args.model, "model")
-    if args.format == "ascend":  # refused now, not after the optimization
-        from sdkiln.export.ascend import check_replaceable
-
-        check_replaceable(Path(f"{args.out}-ascend"), args.force)
+    if args.ascend_dtype is not None and args.format != "ascend":
+        raise SdkilnError("--ascend-dtype is the dtype of the Ascend files: it needs --format ascend")
     t0 = time.perf_counter()
     result = optimize(
         args.model,
@@ -107,6 +105,8 @@ def cmd_optimize(args) -> int:
         force=args.force,
         eval_samples=args.eval_samples,
         deployment=Deployment(num_inference_steps=args.steps, guidance=args.guidance),
+        format=args.format,
+        ascend_dtype=args.ascend_dtype,
     )
     print(
         f"optimized {result.manifest['model']['base_id']} with recipe {args.recipe!r}: "
@@ -114,30 +114,37 @@ def cmd_optimize(args) -> int:
     )
     print("\n".join(_quality_lines(result.quality or {}, "measured now and stored in the package")))
     print(f"package: {result.package}  ({time.perf_counter() - t0:.1f} s)")
-    if args.format == "ascend":
-        export = _export_ascend(result.package, f"{result.package}-ascend", args.ascend_dtype, args.force)
-        _print_ascend(export)
+    if result.ascend is not None:
+        _print_ascend(result.ascend)
     return 0
-
-
-def _export_ascend(package, out, dtype, force):
-    from sdkiln.export.ascend import export_ascend
-
-    return export_ascend(package, out, dtype=dtype, force=force)
 
 
 def _print_ascend(export) -> None:
     layers = ", ".join(f"{n} {s}" for s, n in sorted(export.schemes.items()))
     print(f"ascend ({export.model_quant_type}; {layers}): {export.description}")
     print(f"  {export.weights}")
-    if export.timestep_policy:
-        k, t = export.timestep_policy["dynamic_steps"], export.timestep_policy["num_steps"]
-        print(f"  W8A8_TIMESTEP: run {t} steps; register steps {k}..{t - 1} as 'static' in MindIE SD's")
-        print("  TimestepPolicyConfig (steps it does not list run dynamic)")
+    if export.regridded:
+        print(
+            f"  {export.regridded} W8A8 layers' scales rounded for this dtype (a package from an older sdkiln): "
+            "MindIE SD computes them slightly differently from the package's measurements"
+        )
+    policy = export.timestep_policy
+    if policy:
+        k, t = policy["dynamic_steps"], policy["num_steps"]
+        if k < t:
+            print(
+                f"  W8A8_TIMESTEP: run exactly {t} steps, calling TimestepManager.set_timestep_idx(i) before "
+                "step i, with this MindIE SD TimestepPolicyConfig (docs/ascend.md):"
+            )
+            print(f'  policy.register(list(range({k}, {t})), "static", target="w8a8_static_linear")')
+        else:
+            print(f"  W8A8_TIMESTEP: all {t} steps run dynamic, MindIE SD's default: no timestep policy")
 
 
 def cmd_export_ascend(args) -> int:
-    _print_ascend(_export_ascend(args.package, args.out, args.dtype, args.force))
+    from sdkiln.export.ascend import export_ascend
+
+    _print_ascend(export_ascend(args.package, args.out, dtype=args.dtype, force=args.force))
     return 0
 
 

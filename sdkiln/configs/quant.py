@@ -40,6 +40,10 @@ class QuantStep(RecipeStep):
         """Keyword arguments of the runtime class's ``from_linear`` for this step's layers."""
         return {}
 
+    def scheme_kinds(self) -> tuple[str, ...]:
+        """The recipe kinds of the schemes this step may give a layer (its own kind)."""
+        return (self.kind,)
+
 
 @dataclass
 class WeightRounding:
@@ -85,8 +89,10 @@ class W8A8DynamicConfig(WeightRounding, QuantStep):
 class SmoothQuantConfig(RecipeStep):
     """SmoothQuant before an int8 step: per-layer alpha searched on ``alphas`` by output error.
 
-    The smoothing factor is folded into the preceding modulation/norm where that is exact; otherwise
-    the layer keeps an input multiplier (``<layer>.div.mul_scale``). The int8 step it prepares (its
+    With ``fold`` the smoothing factor is folded into the preceding adaLN modulation where the
+    family's spec says that is exact; every other layer (all of them without ``fold``) keeps an input
+    multiplier (``<layer>.div.mul_scale``). MindIE SD applies only multipliers (it loads no float
+    weights), so ``optimize(format="ascend")`` turns ``fold`` off. The int8 step it prepares (its
     error decides alpha: a static range, or per-token dynamic scales) is the recipe's next one, or
     ``target`` when given.
     """
@@ -99,9 +105,12 @@ class SmoothQuantConfig(RecipeStep):
     exclude: tuple[str, ...] = ()
     calib_samples: int = 8
     target: str | None = None
+    fold: bool = True
 
     def __post_init__(self) -> None:
         self.exclude = _patterns(self.exclude)
+        if not isinstance(self.fold, bool):
+            raise ValueError(f"fold must be true or false, got {self.fold!r}")
         if self.target is not None and self.target not in self.prepares:
             raise ValueError(
                 f"target must be one of {', '.join(self.prepares)} (or null: the recipe's next one)"
@@ -221,6 +230,9 @@ class QuantAutoConfig(QuantStep):
     sqnr_floor_db: float = 40.0
     calib_samples: int = 8
     sensitivity_samples: int = 4
+
+    def scheme_kinds(self) -> tuple[str, ...]:
+        return (self.scheme, *self.fallbacks)
 
     def __post_init__(self) -> None:
         super().__post_init__()

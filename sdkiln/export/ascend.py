@@ -19,6 +19,7 @@ and the directory is built beside the target, fsynced and renamed into place.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass
@@ -29,11 +30,13 @@ import torch
 from safetensors.torch import save_file
 from torch import Tensor
 
-from sdkiln.errors import PackageError
-from sdkiln.export.ascend_schemes import FLOAT_TAG, AscendLayer, ascend_layer_tensors
+from sdkiln.configs import QuantStep, RecipeConfig, SmoothQuantConfig
+from sdkiln.errors import PackageError, RecipeError
+from sdkiln.export.ascend_schemes import FLOAT_TAG, NEEDS_DEPLOY_DTYPE, AscendLayer, ascend_layer_tensors
 from sdkiln.export.atomic import atomic_directory
+from sdkiln.runtime.manifest_schema import short
 from sdkiln.runtime.package import TRANSFORMER_WEIGHTS, open_package
-from sdkiln.runtime.quant import scheme_classes
+from sdkiln.runtime.quant import by_recipe_kind, scheme_classes
 from sdkiln.runtime.safetensors_data import load_tensors
 
 FILE_MODE = 0o640
@@ -54,6 +57,10 @@ class AscendExport:
     schemes: dict[str, int]
     """Quantized layers per scheme."""
     timestep_policy: dict[str, int] | None
+    regridded: int
+    """W8A8 layers whose static scales were rounded here for the deployment dtype (only in packages
+    written before sdkiln stored them on that grid); MindIE SD then differs from our runtime by that
+    rounding."""
 
 
 def _layer_of(key: str, modules: dict[str, Any]) -> tuple[str, str] | None:
@@ -67,8 +74,8 @@ def _layer_of(key: str, modules: dict[str, Any]) -> tuple[str, str] | None:
 
 def type_priority() -> tuple[str, ...]:
     """``model_quant_type`` ranks, lowest first: msModelSlim's AscendV1 saver ranks fewer bits above
-    more and W8A8 above W8A8_DYNAMIC; W4A16 and W8A8_TIMESTEP are not in its list and are placed by
-    the same rule. Each scheme's rank is its runtime class's ``ascend_rank``."""
+    more and W8A8 above W8A8_DYNAMIC; W8A8_TIMESTEP is not in its list and is placed by the same
+    rule. Each scheme's rank is its runtime class's ``ascend_rank``."""
     ranked = sorted(
         (c for c in scheme_classes().values() if c.ascend_rank is not None), key=lambda c: c.ascend_rank
     )
@@ -94,6 +101,7 @@ class AscendFiles:
     timestep_policy: dict[str, int] | None
     """``{"num_steps": T, "dynamic_steps": k}`` of the W8A8_TIMESTEP layers: MindIE SD takes the
     policy at load time (``TimestepPolicyConfig``), so it is reported rather than written."""
+    regridded: int
 
 
 def _layer_tensors(
@@ -136,8 +144,9 @@ def ascend_files(
             out[key] = (t, FLOAT_TAG)
         else:
             per_layer[owner[0]][owner[1]] = t
+    _refuse_folds(manifest)
     schemes: set[str] = set()
-    group_sizes, policies = set(), set()
+    policies, regridded = set(), 0
     for name, info in modules.items():
         params = {k: v for k, v in info.items() if k not in ("scheme", "smooth")}
         layer_tensors, smooth = _layer_tensors(name, info, per_layer[name])
@@ -147,36 +156,70 @@ def ascend_files(
             out[f"{prefix}.{suffix}"] = (t, tag)
         if smooth is not None:
             out[f"{name}.{SMOOTH_SUFFIX}"] = (smooth, FLOAT_TAG)
-        if "group_size" in params:
-            group_sizes.add(int(params["group_size"]))
+        regridded += layer.regridded
         if info["scheme"] == "W8A8_TIMESTEP":
             policies.add((int(params["num_steps"]), int(params["dynamic_steps"])))
         schemes.add(info["scheme"])
-    if len(group_sizes) > 1:
-        raise PackageError(
-            f"manifest.json: layers use group sizes {sorted(group_sizes)}; the Ascend format has one"
-        )
     if len(policies) > 1:
         raise PackageError(
             f"manifest.json: W8A8_TIMESTEP layers use (num_steps, dynamic_steps) {sorted(policies)}; MindIE SD "
             "applies one timestep policy to the whole model"
         )
     description: dict[str, Any] = {"model_quant_type": _model_quant_type(schemes)}
-    if group_sizes:
-        description["group_size"] = group_sizes.pop()
     keys = sorted(out)
     description.update({k: out[k][1] for k in keys})
     policy = dict(zip(("num_steps", "dynamic_steps"), policies.pop(), strict=True)) if policies else None
-    return AscendFiles(description, {k: out[k][0].contiguous() for k in keys}, policy)
+    return AscendFiles(description, {k: out[k][0].contiguous() for k in keys}, policy, regridded)
 
 
-def _deploy_dtype(manifest: dict[str, Any], dtype: str | None) -> torch.dtype | None:
-    """The float type MindIE SD will run in: ``dtype`` if given, else the package's model dtype
-    when it is bfloat16 or float16, else None (a float32 package; only W8A8 layers need to know)."""
-    name = dtype if dtype is not None else manifest["model"].get("dtype")
+def _refuse_folds(manifest: dict[str, Any]) -> None:
+    """A SmoothQuant step that folded its smoothing into float modulation Linears changed weights
+    MindIE SD never loads (it takes float weights from the user's own model), so its int8 layers
+    would run behind unsmoothed inputs there."""
+    for step in manifest["recipe"].get("steps", []):
+        record = step.get("result") if isinstance(step, dict) else None
+        folded = record.get("folded") if isinstance(record, dict) else None
+        if isinstance(folded, list) and folded:
+            raise PackageError(
+                f"manifest.json: SmoothQuant folded its smoothing into the float modulation of {len(folded)} "
+                f"layers (e.g. {short(folded[0])}), which MindIE SD never loads; make the package for Ascend "
+                "with `optimize --format ascend` (it keeps every smoothing as an input multiplier) or a "
+                "recipe whose smoothquant step has fold: false"
+            )
+
+
+def _deploy_dtype(model_dtype: str | None, dtype: str | None, error=PackageError) -> torch.dtype | None:
+    """The float type MindIE SD will run in: ``dtype`` if given, else the model's dtype when it is
+    bfloat16 or float16, else None (a float32 model: only some schemes' files need to know)."""
     if dtype is not None and dtype not in DEPLOY_DTYPES:
-        raise PackageError(f"--dtype {dtype!r}: MindIE SD runs {' or '.join(DEPLOY_DTYPES)}")
-    return DEPLOY_DTYPES.get(name)
+        raise error(f"--dtype {dtype!r}: MindIE SD runs {' or '.join(DEPLOY_DTYPES)}")
+    return DEPLOY_DTYPES.get(dtype if dtype is not None else model_dtype)
+
+
+def ascend_recipe(recipe: RecipeConfig, model_dtype: str, dtype: str | None) -> RecipeConfig:
+    """``recipe`` as ``optimize(format="ascend")`` runs it, checked before any calibration: every
+    scheme it can give a layer has a MindIE SD format, the deployment dtype is known where the files
+    depend on it, and SmoothQuant keeps every smoothing as an input multiplier (MindIE SD loads only
+    quantized layers, so a fold into a float modulation would be lost there)."""
+    deploy = _deploy_dtype(model_dtype, dtype, RecipeError)
+    classes = by_recipe_kind()
+    steps, dependent = [], set()
+    for step in recipe.steps:
+        for kind in step.scheme_kinds() if isinstance(step, QuantStep) else ():
+            cls = classes[kind]
+            if cls.ascend_rank is None:
+                raise RecipeError(
+                    f"recipe {recipe.name!r}: {step.kind} gives layers {cls.scheme}, which cannot be "
+                    f"exported for Ascend: {cls.ascend_refusal}"
+                )
+            dependent |= {cls.scheme} & NEEDS_DEPLOY_DTYPE
+        steps.append(dataclasses.replace(step, fold=False) if isinstance(step, SmoothQuantConfig) else step)
+    if deploy is None and dependent:
+        raise RecipeError(
+            f"the model is {model_dtype} and MindIE SD runs bfloat16 or float16; the Ascend files of "
+            f"{', '.join(sorted(dependent))} layers depend on which: pass --ascend-dtype (ascend_dtype=)"
+        )
+    return dataclasses.replace(recipe, steps=steps)
 
 
 def check_replaceable(target: Path, force: bool) -> None:
@@ -215,7 +258,7 @@ def export_ascend(
     attr = manifest["model"]["transformer_attr"]
     weights_rel = f"{attr}/{TRANSFORMER_WEIGHTS}"
     tensors = load_tensors(pkg.data(weights_rel), weights_rel)
-    files = ascend_files(manifest, tensors, _deploy_dtype(manifest, dtype))
+    files = ascend_files(manifest, tensors, _deploy_dtype(manifest["model"].get("dtype"), dtype))
     description, weights = files.description, files.weights
     quant_type = description["model_quant_type"].lower()
     target = Path(out_dir)
@@ -235,4 +278,5 @@ def export_ascend(
         weights=target / weights_path.name,
         schemes=schemes,
         timestep_policy=files.timestep_policy,
+        regridded=files.regridded,
     )

@@ -2,14 +2,18 @@
 
 Our packages already store each quantized layer under Ascend names (``docs/package-format.md``),
 so most schemes are a check and a copy. What differs from our runtime's storage is written here,
-once per scheme, from msModelSlim's savers (``docs/ascend.md`` cites them):
+once per scheme, from msModelSlim's savers and MindIE SD's loader (``docs/ascend.md`` cites them):
 
-* every quantized layer's ``bias`` is float32 and tagged ``FLOAT``;
-* W8A8 and W8A8_TIMESTEP store ``deq_scale`` and ``quant_bias`` exactly as our runtime does
-  (``sdkiln.runtime.quant.w8a8_static`` computes them as msModelSlim does); only ``deq_scale``'s
-  form depends on the deployment: float32 for bfloat16, and for float16 the float32 bits held in
-  an int64 (msModelSlim's ``deqscale2int64``);
-* W4A16 weights are int4 values, one per int8 (MindIE SD packs them itself on load).
+* every quantized layer's ``bias`` is tagged ``FLOAT``: float32 (msModelSlim's form, which MindIE
+  SD casts itself), except for a float16 deployment of a weight-only layer, where MindIE SD passes
+  the bias as stored and CANN's weight-quant matmul takes only a float16 bias with float16
+  activations;
+* W8A8 and W8A8_TIMESTEP store ``deq_scale`` and ``quant_bias`` as our runtime does, on the grids
+  MindIE SD's casts leave unchanged (``sdkiln.runtime.quant.scales``). A package written before
+  those grids has its ``input_scale`` rounded to bfloat16 for a bfloat16 deployment and its
+  ``deq_scale`` to fp19 for a float16 one, and ``quant_bias`` recomputed from the rounded values
+  (``AscendLayer.regridded`` counts them). ``deq_scale``'s form depends on the deployment: float32
+  for bfloat16, and for float16 the float32 bits held in an int64 (msModelSlim's ``deqscale2int64``).
 
 A scheme that MindIE SD cannot load is refused with the reason, never written approximately.
 """
@@ -24,8 +28,9 @@ import torch
 from torch import Tensor
 
 from sdkiln.errors import PackageError
-from sdkiln.kernels.int4 import unpack_int4
 from sdkiln.runtime.quant import scheme_classes
+from sdkiln.runtime.quant.scales import fp19_nearest, is_fp19
+from sdkiln.runtime.quant.w8a8_static import quant_bias
 
 FLOAT_TAG = "FLOAT"
 
@@ -39,6 +44,8 @@ class AscendLayer:
     tensors: dict[str, Tensor]
     params: dict[str, Any] = field(default_factory=dict)
     deploy_dtype: torch.dtype | None = None
+    regridded: bool = False
+    """Its static scales were moved onto the deployment's grid here (a package from before the grids)."""
 
     def take(self, suffix: str, dtype: torch.dtype, shape: tuple[int, ...] | None = None) -> Tensor:
         """The tensor ``<layer>.<suffix>``, checked for dtype and (if given) shape."""
@@ -66,25 +73,63 @@ class AscendLayer:
             raise PackageError(f"{self.name}.weight: missing or not a 2-D tensor")
         return int(w.shape[0]), int(w.shape[1])
 
-    def bias(self) -> dict[str, tuple[Tensor, str]]:
-        """The float bias, float32 and tagged FLOAT as msModelSlim writes it; nothing without one."""
+    def bias(self, weight_only: bool = False) -> dict[str, tuple[Tensor, str]]:
+        """The float bias tagged FLOAT, nothing without one: float32 as msModelSlim writes it, or
+        float16 for a weight-only layer of a float16 deployment (the only bias MindIE SD does not
+        cast, and CANN's ``aclnnWeightQuantBatchMatmulV2`` takes a float16 bias with float16 input)."""
         if "bias" not in self.tensors:
             return {}
         b = self.tensors["bias"]
         if not b.is_floating_point() or tuple(b.shape) != (self.out_in[0],):
             raise PackageError(f"{self.name}.bias: expected a float [N], got {b.dtype} {list(b.shape)}")
-        return {"bias": (b.float(), FLOAT_TAG)}
+        if weight_only and self.deploy_dtype is None:
+            raise PackageError(
+                f"{self.name}: a weight-only layer's bias is float16 for a float16 deployment and float32 "
+                f"for bfloat16, and the package's model is in neither: {DTYPE_HINT}"
+            )
+        fp16 = weight_only and self.deploy_dtype == torch.float16
+        return {"bias": (b.to(torch.float16 if fp16 else torch.float32), FLOAT_TAG)}
+
+    def static_scales(self, lead: tuple[int, ...], tag: str) -> dict[str, tuple[Tensor, str]]:
+        """W8A8's ``input_scale``, ``input_offset``, ``deq_scale`` and ``quant_bias`` ([*lead, ...]) as
+        MindIE SD computes with them: ``input_scale`` bfloat16-exact for a bfloat16 deployment (it
+        casts it), ``deq_scale`` fp19-exact for a float16 one (CANN keeps 10 mantissa bits), and
+        ``quant_bias`` from those values. A package from this sdkiln is on both grids already."""
+        n, _ = self.out_in
+        scale = self.take("input_scale", torch.float32, (*lead, 1))
+        offset = self.take("input_offset", torch.float32, (*lead, 1))
+        deq = self.take("deq_scale", torch.float32, (*lead, n))
+        qbias = self.take("quant_bias", torch.int32, (*lead, n))
+        check_deq_scale(deq, self)
+        new_scale = scale.to(torch.bfloat16).float() if self.deploy_dtype == torch.bfloat16 else scale
+        new_deq = (deq.double() * (new_scale.double() / scale.double())).float()
+        if self.deploy_dtype == torch.float16 and not is_fp19(new_deq):
+            new_deq = fp19_nearest(new_deq)
+        if not (torch.equal(new_scale, scale) and torch.equal(new_deq, deq)):
+            self.regridded = True
+            bias = self.tensors.get("bias")
+            qbias = quant_bias(self.take("weight", torch.int8), bias, new_deq, offset)
+        return {
+            "input_scale": (new_scale, tag),
+            "input_offset": (offset, tag),
+            "deq_scale": (pack_deq_scale(new_deq, self), tag),
+            "quant_bias": (qbias, tag),
+        }
 
 
 Converter = Callable[[AscendLayer], dict[str, tuple[Tensor, str]]]
 CONVERTERS: dict[str, Converter] = {}
+NEEDS_DEPLOY_DTYPE: set[str] = set()
+"""Schemes whose files depend on the dtype MindIE SD runs in (``deq_scale``'s form, a bias dtype)."""
 
 
-def converter(scheme: str) -> Callable[[Converter], Converter]:
+def converter(scheme: str, *, needs_deploy_dtype: bool = False) -> Callable[[Converter], Converter]:
     def wrap(fn: Converter) -> Converter:
         if scheme in CONVERTERS:
             raise ValueError(f"an Ascend converter for {scheme} is registered twice")
         CONVERTERS[scheme] = fn
+        if needs_deploy_dtype:
+            NEEDS_DEPLOY_DTYPE.add(scheme)
         return fn
 
     return wrap
@@ -104,21 +149,26 @@ def ascend_layer_tensors(scheme: str, layer: AscendLayer) -> dict[str, tuple[Ten
     return CONVERTERS[scheme](layer)
 
 
-def pack_deq_scale(deq_scale: Tensor, layer: AscendLayer) -> Tensor:
+DTYPE_HINT = "name it with `export-ascend --dtype`, `optimize --ascend-dtype` or export_ascend(dtype=...)"
+
+
+def check_deq_scale(deq: Tensor, layer: AscendLayer) -> None:
+    if layer.deploy_dtype not in (torch.bfloat16, torch.float16):
+        raise PackageError(
+            f"{layer.name}: deq_scale's form depends on the dtype MindIE SD runs the model in (float32 for "
+            f"bfloat16, int64 for float16) and the package's model is in neither: {DTYPE_HINT}"
+        )
+    if not bool(torch.isfinite(deq).all()) or not bool((deq > 0).all()):
+        raise PackageError(f"{layer.name}.deq_scale: has non-positive or non-finite values")
+
+
+def pack_deq_scale(deq: Tensor, layer: AscendLayer) -> Tensor:
     """``deq_scale`` as MindIE SD reads it: float32 for bfloat16 models; for float16 models the
     float32 bit pattern read as an int32 and widened to int64 (msModelSlim's ``deqscale2int64``).
 
     The scales are positive, so the widened value is the fp32 bits in the low 32 bits and zeros above.
     """
-    if layer.deploy_dtype not in (torch.bfloat16, torch.float16):
-        raise PackageError(
-            f"{layer.name}: deq_scale's form depends on the dtype MindIE SD runs the model in (float32 for "
-            "bfloat16, int64 for float16) and the package's model is in neither: name it with "
-            "`export-ascend --dtype`, `optimize --ascend-dtype` or export_ascend(dtype=...)"
-        )
-    deq = deq_scale.float().contiguous()
-    if not bool(torch.isfinite(deq).all()) or not bool((deq > 0).all()):
-        raise PackageError(f"{layer.name}.deq_scale: has non-positive or non-finite values")
+    deq = deq.float().contiguous()
     return deq if layer.deploy_dtype == torch.bfloat16 else deq.view(torch.int32).to(torch.int64)
 
 
@@ -134,7 +184,7 @@ def w8a8_dynamic(layer: AscendLayer) -> dict[str, tuple[Tensor, str]]:
     }
 
 
-@converter("W8A16")
+@converter("W8A16", needs_deploy_dtype=True)
 def w8a16(layer: AscendLayer) -> dict[str, tuple[Tensor, str]]:
     n, k = layer.out_in
     tag = "W8A16"
@@ -142,46 +192,21 @@ def w8a16(layer: AscendLayer) -> dict[str, tuple[Tensor, str]]:
         "weight": (layer.take("weight", torch.int8, (n, k)), tag),
         "weight_scale": (layer.take("weight_scale", torch.float32, (n, 1)), tag),
         "weight_offset": (layer.zero_offset("weight_offset", (n, 1)), tag),
-        **layer.bias(),
+        **layer.bias(weight_only=True),
     }
 
 
-@converter("W4A16")
-def w4a16(layer: AscendLayer) -> dict[str, tuple[Tensor, str]]:
-    """Our package packs two int4 values a byte (uint8 [N, K/2]); msModelSlim's W4A16 weight is the
-    int4 values one per int8 [N, K], which MindIE SD packs for the NPU itself on load."""
-    packed = layer.tensors.get("weight")
-    if packed is None or packed.dtype != torch.uint8 or packed.dim() != 2:
-        raise PackageError(f"{layer.name}.weight: expected packed int4 uint8 [N, K/2]")
-    n, k = int(packed.shape[0]), 2 * int(packed.shape[1])
-    group_size = int(layer.params.get("group_size", 0))
-    if group_size <= 0 or k % group_size:
-        raise PackageError(f"{layer.name}: manifest group_size {group_size} does not divide in_features {k}")
-    groups = k // group_size
-    tag = "W4A16"
-    return {
-        "weight": (unpack_int4(packed), tag),
-        "weight_scale": (layer.take("weight_scale", torch.float32, (n, groups)), tag),
-        "weight_offset": (layer.zero_offset("weight_offset", (n, groups)), tag),
-        **layer.bias(),
-    }
-
-
-@converter("W8A8")
+@converter("W8A8", needs_deploy_dtype=True)
 def w8a8_static(layer: AscendLayer) -> dict[str, tuple[Tensor, str]]:
     n, k = layer.out_in
-    tag = "W8A8"
     return {
-        "weight": (layer.take("weight", torch.int8, (n, k)), tag),
-        "input_scale": (layer.take("input_scale", torch.float32, (1,)), tag),
-        "input_offset": (layer.take("input_offset", torch.float32, (1,)), tag),
-        "deq_scale": (pack_deq_scale(layer.take("deq_scale", torch.float32, (n,)), layer), tag),
-        "quant_bias": (layer.take("quant_bias", torch.int32, (n,)), tag),
+        "weight": (layer.take("weight", torch.int8, (n, k)), "W8A8"),
+        **layer.static_scales((), "W8A8"),
         **layer.bias(),
     }
 
 
-@converter("W8A8_TIMESTEP")
+@converter("W8A8_TIMESTEP", needs_deploy_dtype=True)
 def w8a8_timestep(layer: AscendLayer) -> dict[str, tuple[Tensor, str]]:
     """One static row per denoising step (T = ``num_steps``), every row written; which steps run
     dynamically is MindIE SD's ``TimestepPolicyConfig`` at load time, not part of the files."""
@@ -192,9 +217,6 @@ def w8a8_timestep(layer: AscendLayer) -> dict[str, tuple[Tensor, str]]:
         "weight": (layer.take("weight", torch.int8, (n, k)), tag),
         "weight_scale": (layer.take("weight_scale", torch.float32, (n, 1)), tag),
         "weight_offset": (layer.zero_offset("weight_offset", (n, 1)), tag),
-        "input_scale": (layer.take("input_scale", torch.float32, (t, 1)), tag),
-        "input_offset": (layer.take("input_offset", torch.float32, (t, 1)), tag),
-        "deq_scale": (pack_deq_scale(layer.take("deq_scale", torch.float32, (t, n)), layer), tag),
-        "quant_bias": (layer.take("quant_bias", torch.int32, (t, n)), tag),
+        **layer.static_scales((t,), tag),
         **layer.bias(),
     }

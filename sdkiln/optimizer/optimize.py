@@ -14,7 +14,8 @@ from typing import Any
 import torch
 
 from sdkiln.configs import Deployment, RecipeConfig
-from sdkiln.export import write_package
+from sdkiln.export import ascend, write_package
+from sdkiln.export.ascend import AscendExport
 from sdkiln.export.atomic import target_lock
 from sdkiln.export.package_writer import check_replaceable
 from sdkiln.model_zoo import ModelSpec, load_model, spec_for_pipeline
@@ -38,6 +39,8 @@ class OptimizeResult:
     package: Path | None
     files: dict[str, Any]
     """Extra package files the steps produced (calibration statistics, schedules)."""
+    ascend: AscendExport | None = None
+    """With ``format="ascend"``: the MindIE SD files written beside the package."""
 
 
 def _dtype_name(module: torch.nn.Module) -> str:
@@ -89,6 +92,8 @@ def optimize(
     eval_samples: int = DEFAULT_EVAL_SAMPLES,
     deployment: Deployment | None = None,
     base_id: str | None = None,
+    format: str = "package",
+    ascend_dtype: str | None = None,
 ) -> OptimizeResult:
     """Optimize ``model`` (a pipeline, a zoo name, a local diffusers directory, or None for the
     embedded model) with ``recipe`` and, if ``out_dir`` is given, write the package there.
@@ -104,11 +109,25 @@ def optimize(
     ``out_dir`` is checked (``force`` replaces only a package or an empty directory) and locked
     against other sdkiln writers before anything is loaded, so a wrong ``--out`` fails at once, not
     after minutes of calibration, and stays reserved until the package is written.
+
+    ``format="ascend"`` also writes MindIE SD's files to ``<out_dir>-ascend`` (``export_ascend``,
+    ``ascend_dtype`` its ``dtype``) and makes the package for it: the recipe is checked before any
+    calibration (``sdkiln.export.ascend.ascend_recipe``) and SmoothQuant keeps input multipliers.
     """
+    if format not in ("package", "ascend"):
+        raise ValueError(f"format must be 'package' or 'ascend', got {format!r}")
+    if format == "ascend" and out_dir is None:
+        raise ValueError("format='ascend' writes beside the package: give out_dir")
+    if format != "ascend" and ascend_dtype is not None:
+        raise ValueError("ascend_dtype is the dtype of the Ascend files: it needs format='ascend'")
     with contextlib.ExitStack() as reserved:
         if out_dir is not None:
             reserved.enter_context(target_lock(Path(out_dir)))
             check_replaceable(Path(out_dir), force)
+        if format == "ascend":
+            ascend_dir = Path(f"{out_dir}-ascend")
+            reserved.enter_context(target_lock(ascend_dir))
+            ascend.check_replaceable(ascend_dir, force)
         recipe = resolve_recipe(recipe)
         if deployment is not None:
             recipe = dataclasses.replace(
@@ -121,6 +140,8 @@ def optimize(
             base_id = base_id or getattr(model, "name_or_path", None) or spec.name
         attr = spec.transformer_attr
         base_transformer = getattr(base, attr)
+        if format == "ascend":
+            recipe = ascend.ascend_recipe(recipe, _dtype_name(base_transformer), ascend_dtype)
         optimized = type(base)(**{**base.components, attr: copy.deepcopy(base_transformer)})
         ctx = TransformContext(pipeline=optimized, spec=spec, forward_loop=forward_loop, recipe=recipe)
         ctx.check_deployment()
@@ -165,4 +186,7 @@ def optimize(
                 force=force,
                 extra_files=files,
             )
-        return OptimizeResult(optimized, base, spec, manifest, quality, package, files)
+        result = OptimizeResult(optimized, base, spec, manifest, quality, package, files)
+        if format == "ascend":
+            result.ascend = ascend.export_ascend(package, ascend_dir, dtype=ascend_dtype, force=force)
+        return result

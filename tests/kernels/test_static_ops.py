@@ -14,7 +14,7 @@ def test_quantize_per_tensor_int8_is_the_formula(device, dtype):
     x = (torch.randn(4, 33, 64) * 3).to(dtype)
     scale, offset = torch.tensor([0.021]), torch.tensor([-17.0])
     q = K.quantize_per_tensor_int8(x.to(device), scale.to(device), offset.to(device))
-    expected = (torch.round(x.float() / scale) + offset).clamp(-128, 127).to(torch.int8)
+    expected = torch.round(x.float() / scale + offset).clamp(-128, 127).to(torch.int8)
     assert q.dtype == torch.int8 and torch.equal(q.cpu(), expected)
     assert q.min() == -128 and q.max() == 127  # both ends are reached and kept
 

@@ -96,7 +96,9 @@ def test_w8a16_weight_is_per_channel_symmetric():
     assert q.bias is None and q.params() == {}
     rows = torch.arange(32) != 3
     absmax = linear.weight.detach().abs().amax(1, keepdim=True)
-    assert torch.equal(q.weight_scale[rows], absmax[rows] / 127.5)  # the grid of int8_weight
+    s = q.weight_scale[rows]  # int8_weight's grid: absmax / 127.5, rounded up to bf16 and fp16 values
+    assert torch.equal(s, s.to(torch.bfloat16).float()) and torch.equal(s, s.half().float())
+    assert (s >= absmax[rows] / 127.5).all() and (s <= absmax[rows] / 127.5 * (1 + 2**-7)).all()
     assert (q.weight.int().amax(1)[rows] <= 127).all() and (q.weight.int().amin(1)[rows] >= -128).all()
     assert (q.weight.int().abs().amax(1)[rows] >= 127).all()  # each row's largest weight spans the grid
     assert q.weight_scale[3].item() == 1.0 and not q.weight[3].any()

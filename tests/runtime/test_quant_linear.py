@@ -28,16 +28,18 @@ def test_w8a8_linear_dequantized_weight_is_the_reference():
     assert q.bias is None
 
 
-def test_int8_weight_grid_is_absmax_over_127_5_in_minus_128_to_127():
+def test_int8_weight_grid_is_absmax_over_127_5_rounded_up_to_half_exact_in_minus_128_to_127():
     from sdkiln.runtime.quant.w8a8_dynamic import int8_weight
 
     w = torch.tensor([[-2.0, 1.0, 0.5], [2.0, -1.0, 0.0], [0.0, 0.0, 0.0]])
     q, scale = int8_weight(w)
-    assert torch.equal(scale, torch.tensor([[2 / 127.5], [2 / 127.5], [1.0]]))
-    # +-2 / s is 127.5 up to fp32 rounding: the positive end is clamped to 127, the negative end is
-    # -127 or -128 depending on that rounding; the other values are ordinary grid points.
-    assert q[0, 0].item() in (-128, -127) and q.tolist()[0][1:] == [64, 32]
-    assert q.tolist()[1:] == [[127, -64, 0], [0, 0, 0]]
+    # 2 / 127.5 = 0.0156862...: in [2**-6, 2**-5), where bfloat16's step is 2**-13; the next one up
+    # from 2**-6 = 0.015625 is 2**-6 + 2**-13.
+    up = 2**-6 + 2**-13
+    assert torch.equal(scale, torch.tensor([[up], [up], [1.0]]))
+    # 2 / s is just under 127.5 (the scale was rounded up): 127 at both ends; the others round
+    # 1 / s = 63.5 and 0.5 / s = 31.75 half to even.
+    assert q.tolist() == [[-127, 64, 32], [127, -64, 0], [0, 0, 0]]
     big = torch.randn(64, 256)
     q, scale = int8_weight(big)
     assert q.min() >= -128 and q.max() <= 127
@@ -58,7 +60,7 @@ def test_each_scheme_class_is_the_single_source_of_its_tables():
         assert cls.recipe_kind in RECIPE_STEPS and by_recipe_kind()[cls.recipe_kind] is cls
         assert (cls.ascend_rank is None) == bool(cls.ascend_refusal)
     assert set(quant_auto_schemes()) == set(by_recipe_kind())
-    assert type_priority() == ("FLOAT", "W8A16", "W4A16", "W8A8_DYNAMIC", "W8A8_TIMESTEP", "W8A8")
+    assert type_priority() == ("FLOAT", "W8A16", "W8A8_DYNAMIC", "W8A8_TIMESTEP", "W8A8")
     assert W8A8Linear is classes["W8A8_DYNAMIC"]  # the old name still imports
     with pytest.raises(KeyError, match="this sdkiln runs FP8_DYNAMIC"):
         quant_module("W2A2")

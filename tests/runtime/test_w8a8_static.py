@@ -24,17 +24,31 @@ def activations(n: int, k: int, seed: int) -> torch.Tensor:
     return x * torch.linspace(0.5, 3.0, k)
 
 
+def bf16_ceil(v: torch.Tensor) -> torch.Tensor:
+    """The smallest bfloat16 value >= v (all values here are float16-normal, so float16 holds it too)."""
+    b = v.to(torch.bfloat16)
+    up = torch.nextafter(b, torch.full_like(b, float("inf")))
+    return torch.where(b.float() < v, up, b).float()
+
+
+def fp19_round(v: torch.Tensor) -> torch.Tensor:
+    """v rounded to 10 mantissa bits (CANN's fp19)."""
+    step = torch.exp2(torch.floor(torch.log2(v.double())) - 10)
+    return (torch.round(v.double() / step) * step).float()
+
+
 def issue_formula(linear: nn.Linear, lo: float, hi: float, x: torch.Tensor):
-    """The issue's W8A8 formulas, written independently of sdkiln (float64 / int64 where exact)."""
+    """The issue's W8A8 formulas with the Ascend grids (the scales bfloat16- and float16-exact,
+    deq_scale fp19), written independently of sdkiln (float64 / int64 where exact)."""
     w = linear.weight.detach()
-    s_w = w.abs().amax(1) / 127.5  # W8A8_DYNAMIC's per-channel weight scale, fp32
+    s_w = bf16_ceil(w.abs().amax(1) / 127.5)  # W8A8_DYNAMIC's per-channel weight scale, fp32
     wq = torch.round(w / s_w[:, None]).clamp(-128, 127).to(torch.int64)
     lo, hi = min(lo, 0.0), max(hi, 0.0)
-    s_x = torch.tensor((hi - lo) / 255, dtype=torch.float32)
+    s_x = bf16_ceil(torch.tensor((hi - lo) / 255, dtype=torch.float32))
     o_x = torch.tensor(round(-lo / float(s_x)) - 128, dtype=torch.float32)
-    deq = s_x * s_w
+    deq = fp19_round(s_x * s_w)
     qb = torch.round(linear.bias.double() / deq.double() - o_x.double() * wq.sum(1).double()).to(torch.int64)
-    x_q = (torch.round(x / s_x) + o_x).clamp(-128, 127).to(torch.int64)
+    x_q = torch.round(x / s_x + o_x).clamp(-128, 127).to(torch.int64)
     y = ((x_q @ wq.T + qb).float() * deq).to(x.dtype)
     return {
         "weight": wq.to(torch.int8),
@@ -79,7 +93,9 @@ def test_static_layer_is_close_to_the_float_layer_and_adds_the_bias_once():
 def test_offset_holds_zero_and_an_all_zero_range_is_harmless():
     linear = nn.Linear(8, 4)
     positive = W8A8StaticLinear.from_linear(linear, Ranges(0.5, 2.0))  # the range is widened to [0, 2]
-    assert positive.input_offset.item() == -128 and positive.input_scale.item() == pytest.approx(2 / 255)
+    assert positive.input_offset.item() == -128 and positive.input_scale.item() == bf16_ceil(
+        torch.tensor(2 / 255)
+    )
     zero = W8A8StaticLinear.from_linear(linear, Ranges(0.0, 0.0))
     assert zero.input_scale.item() == 1.0
     with torch.no_grad():
@@ -96,10 +112,10 @@ def test_quant_bias_that_could_overflow_is_refused():
         W8A8StaticLinear.from_linear(linear, Ranges(-1e-3, 1e-3))
 
 
-def test_quantize_per_tensor_rounds_half_to_even_adds_the_offset_and_clamps():
+def test_quantize_per_tensor_adds_the_offset_then_rounds_half_to_even_and_clamps():
     x = torch.tensor([0.5, 1.5, 2.5, -0.5, 1000.0, -1000.0])
     q = kernels.quantize_per_tensor_int8(x, torch.tensor([1.0]), torch.tensor([3.0]))
-    assert q.tolist() == [3, 5, 5, 3, 127, -128]
+    assert q.tolist() == [4, 4, 6, 2, 127, -128]  # round(x + 3), as npu_quantize documents
     with pytest.raises(ValueError, match="one float32 value"):
         kernels.quantize_per_tensor_int8(x, torch.tensor([1.0, 2.0]), torch.tensor([0.0]))
 

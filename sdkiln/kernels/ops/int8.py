@@ -116,13 +116,15 @@ def check_quantize_per_tensor_int8(x: Tensor, scale: Tensor, offset: Tensor) -> 
 
 
 def quantize_per_tensor_int8_reference(x: Tensor, scale: Tensor, offset: Tensor) -> Tensor:
-    """Asymmetric per-tensor int8 with calibrated parameters: ``clamp(round(x / scale) + offset, -128, 127)``.
+    """Asymmetric per-tensor int8 with calibrated parameters: ``clamp(round(x / scale + offset), -128, 127)``.
 
-    In fp32: ``x / scale`` is a true division, rounded half to even (``torch.round``); ``offset``
-    holds an integer in [-128, 127], so adding it is exact; then the clamp. Returns int8 of x's shape.
+    In fp32: ``x / scale`` is a true division; ``offset`` holds an integer in [-128, 127], so adding
+    it is exact; then one rounding half to even (``torch.round``) and the clamp. The offset is added
+    before rounding, as torch_npu's ``npu_quantize`` documents: with an odd offset the other order
+    differs at ties, which half-precision inputs over an 8-bit scale hit often. Returns int8 of x's shape.
     """
     check_quantize_per_tensor_int8(x, scale, offset)
-    q = torch.round(x.float() / scale.reshape(())) + offset.reshape(())
+    q = torch.round(x.float() / scale.reshape(()) + offset.reshape(()))
     return q.clamp_(-128, INT8_QMAX).to(torch.int8).contiguous()
 
 

@@ -42,6 +42,7 @@ from sdkiln.optimizer.layers import select_layers
 from sdkiln.optimizer.quant.calibration import STATS_FILE, calibrate, calibration_files
 from sdkiln.optimizer.registry import TransformContext, TransformResult, register_transform
 from sdkiln.runtime.quant import Ranges
+from sdkiln.runtime.quant.scales import half_exact
 from sdkiln.runtime.quant.smooth import SmoothedLinear
 from sdkiln.runtime.quant.w8a8_dynamic import W8A8DynamicLinear
 from sdkiln.runtime.quant.w8a8_static import W8A8StaticLinear
@@ -63,11 +64,12 @@ class Group:
     errors: dict[str, float] = field(default_factory=dict)
 
 
-def smoothing_groups(ctx: TransformContext, layers: list[str]) -> list[Group]:
-    """The spec's folds whose consumers are all being quantized, then one group per other layer."""
+def smoothing_groups(ctx: TransformContext, layers: list[str], use_folds: bool = True) -> list[Group]:
+    """With ``use_folds``, the spec's folds whose consumers are all being quantized; then one group per
+    other layer."""
     model, chosen = ctx.transformer, set(layers)
     groups, folded = [], set()
-    for fold in ctx.spec.smooth_folds:
+    for fold in ctx.spec.smooth_folds if use_folds else ():
         for i in range(len(model.get_submodule(fold.block_list))):
             prefix = f"{fold.block_list}.{i}."
             source, consumers = prefix + fold.source, [prefix + c for c in fold.consumers]
@@ -216,7 +218,7 @@ def apply_smoothquant(ctx: TransformContext, config: SmoothQuantConfig) -> Trans
     if any(t.smoothed for t in targets):
         raise ValueError("the model is already smoothed; apply smoothquant once")
     layers = [t.layer for t in targets]
-    groups = smoothing_groups(ctx, layers)
+    groups = smoothing_groups(ctx, layers, config.fold)
     stats, record = calibrate(ctx, layers, config.calib_samples)
     for g in groups:
         _candidates(g, model, stats, config.alphas)
@@ -227,10 +229,14 @@ def apply_smoothquant(ctx: TransformContext, config: SmoothQuantConfig) -> Trans
     for g in groups:
         best = min(g.candidates, key=lambda c: g.errors[c])
         if best != NO_SMOOTHING:
-            s = g.candidates[best]
+            # 1/s, the multiplier, on half_exact's grid: MindIE SD casts it to the model's dtype.
+            s = 1.0 / half_exact(1.0 / g.candidates[best].double(), up=False).double()
             apply_smoothing(model, g, s)
             files[STATS_FILE].update(
-                {f"{SmoothQuantConfig.kind}/{n}.smooth_scale": s.detach().cpu().clone() for n in g.layers}
+                {
+                    f"{SmoothQuantConfig.kind}/{n}.smooth_scale": s.detach().float().cpu().clone()
+                    for n in g.layers
+                }
             )
         decisions.append(
             {

@@ -36,12 +36,13 @@ class SmoothedLinear(nn.Module):
     @classmethod
     def from_linear(cls, linear: nn.Linear, smooth_scale: torch.Tensor) -> SmoothedLinear:
         """Smooth a float ``linear`` by ``smooth_scale`` (s, [K], positive): weight columns times s,
-        input times 1/s. The result equals ``linear`` up to float rounding."""
-        s = smooth_scale.detach().to(torch.float32)
+        input times 1/s. The result equals ``linear`` up to float rounding. Computed in float64, so an
+        s whose inverse is a float32 value gives exactly that ``mul_scale``."""
+        s = smooth_scale.detach().double()
         scaled = nn.Linear(linear.in_features, linear.out_features, linear.bias is not None)
         scaled = scaled.to(device=linear.weight.device, dtype=linear.weight.dtype)
         with torch.no_grad():
-            scaled.weight.copy_(linear.weight.float() * s)
+            scaled.weight.copy_(linear.weight.double() * s)
             if linear.bias is not None:
                 scaled.bias.copy_(linear.bias)
         mod = cls(scaled, linear.in_features, linear.weight.device)

@@ -11,6 +11,7 @@ from torch import nn
 
 from sdkiln import kernels
 from sdkiln.runtime.quant import QuantLinear
+from sdkiln.runtime.quant.scales import half_exact
 
 INT8_WEIGHT_RANGE = (-128, 127)
 WEIGHT_HALF_RANGE = 127.5
@@ -21,11 +22,12 @@ embedded model, docs/benchmarks.md)."""
 
 def int8_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-output-channel symmetric int8 of ``w`` [N, K]: (values int8 [N, K] in [-128, 127], fp32
-    scale [N, 1] = absmax / 127.5, 1 for an all-zero row). Rounds half to even; only a row's largest
-    positive weight can round to 128, and it is clamped to 127."""
+    scale [N, 1] = absmax / 127.5 rounded up onto ``half_exact``'s grid, 1 for an all-zero row).
+    Rounds half to even; only a row's largest positive weight can round to 128, and it is clamped
+    to 127."""
     w = w.detach().float()
     scale = w.abs().amax(dim=1, keepdim=True) / WEIGHT_HALF_RANGE
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    scale = half_exact(torch.where(scale > 0, scale, torch.ones_like(scale)), up=True)
     return torch.round(w / scale).clamp_(*INT8_WEIGHT_RANGE).to(torch.int8), scale
 
 

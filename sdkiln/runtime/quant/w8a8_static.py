@@ -6,15 +6,16 @@ activation offset are folded into one int32 ``quant_bias``, so the layer is one 
 one scale (Ascend's ``npu_quant_matmul``):
 
     s_x = (max - min) / 255,   o_x = round(-min / s_x) - 128          (the range is widened to hold 0)
-    x_q = clamp(round(x / s_x) + o_x, -128, 127)
-    deq_scale[n] = s_x * s_w[n]
+    x_q = clamp(round(x / s_x + o_x), -128, 127)
+    deq_scale[n] = s_x * s_w[n]                                        (rounded to 10 mantissa bits)
     quant_bias[n] = round(bias[n] / deq_scale[n] - o_x * sum_k Wq[n, k])
     y = (x_q @ Wq.T + quant_bias) * deq_scale
 
 Tensors (Ascend names): ``weight`` int8 [N, K], ``input_scale`` fp32 [1], ``input_offset`` fp32 [1]
 (an integer in [-128, 127]), ``deq_scale`` fp32 [N], ``quant_bias`` int32 [N], and ``bias`` in the
 model dtype [N] when the layer has one -- kept for the Ascend export and for audit; the forward
-never adds it, since ``quant_bias`` already holds it.
+never adds it, since ``quant_bias`` already holds it. ``s_x`` and ``deq_scale`` sit on the grids of
+``sdkiln.runtime.quant.scales``, so MindIE SD's casts of them change nothing.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from torch import nn
 
 from sdkiln import kernels
 from sdkiln.runtime.quant import QuantLinear
+from sdkiln.runtime.quant.scales import fp19_nearest, half_exact
 from sdkiln.runtime.quant.w8a8_dynamic import W8A8DynamicLinear
 
 # |x_q @ Wq.T| <= K * 128 * 128 (both in [-128, 127]); quant_bias must leave room for it in int32.
@@ -34,12 +36,12 @@ def activation_params(lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor,
     """(input_scale, input_offset) in fp32, elementwise over calibrated ranges [lo, hi].
 
     The range is widened to hold 0, so the offset is an int8 value; an all-zero range gets scale 1.
-    Computed in float64: the scale is rounded once to fp32, and the offset derived from that fp32
-    scale (``round(-lo / scale) - 128``, half to even).
+    The scale is rounded up onto ``half_exact``'s grid (MindIE SD runs it in bfloat16), and the
+    offset derived from that scale in float64 (``round(-lo / scale) - 128``, half to even).
     """
     lo, hi = lo.double().clamp(max=0.0), hi.double().clamp(min=0.0)
     scale = ((hi - lo) / 255.0).float()
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    scale = half_exact(torch.where(scale > 0, scale, torch.ones_like(scale)), up=True)
     offset = torch.round(-lo / scale.double()) - 128.0
     return scale, offset.float()
 
@@ -53,11 +55,24 @@ def static_params(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(deq_scale fp32, quant_bias int32), one row per leading index of ``input_scale`` ([1] or [T, 1]).
 
-    ``quant_bias`` is computed in float64 (``o_x * sum_k Wq`` is an exact integer there) and rounded
-    half to even; a value that could overflow the int32 accumulator raises.
+    ``deq_scale`` is ``input_scale * weight_scale`` rounded to ``fp19_nearest`` (what CANN keeps of it
+    for float16 output). ``quant_bias`` is computed from that ``deq_scale``; see ``quant_bias``.
     """
     lead = input_scale.shape[:-1]
-    deq = input_scale.float().reshape(*lead, 1) * weight_scale.float().reshape(-1)
+    deq = fp19_nearest(input_scale.float().reshape(*lead, 1) * weight_scale.float().reshape(-1))
+    return deq, quant_bias(weight, bias, deq, input_offset)
+
+
+def quant_bias(
+    weight: torch.Tensor, bias: torch.Tensor | None, deq_scale: torch.Tensor, input_offset: torch.Tensor
+) -> torch.Tensor:
+    """``round(bias / deq_scale - input_offset * sum_k Wq)`` as int32, one row per row of ``deq_scale``.
+
+    Computed in float64 (``o_x * sum_k Wq`` is an exact integer there) and rounded half to even; a
+    value that could overflow the int32 accumulator raises.
+    """
+    deq = deq_scale.float()
+    lead = deq.shape[:-1]
     wsum = weight.to(torch.int64).sum(dim=1).double()
     fbias = torch.zeros(weight.shape[0], dtype=torch.float64) if bias is None else bias.double()
     qb = torch.round(fbias / deq.double() - input_offset.double().reshape(*lead, 1) * wsum)
@@ -68,7 +83,7 @@ def static_params(
             f"{weight.shape[1]} can add safely ({room}); the bias is too large for the calibrated input "
             "range: exclude this layer"
         )
-    return deq, qb.to(torch.int32)
+    return qb.to(torch.int32)
 
 
 class W8A8StaticLinear(QuantLinear):

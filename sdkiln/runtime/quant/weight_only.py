@@ -96,7 +96,11 @@ class W4A16Linear(_WeightOnlyLinear):
     scheme = "W4A16"
     recipe_kind = "w4a16"
     weight_range = (-INT4_QMAX, INT4_QMAX)
-    ascend_rank = 2
+    ascend_refusal = (
+        "this W4A16 is group-wise (one scale per 64 or 128 inputs) and MindIE SD's weight-only layer "
+        "calls npu_weight_quant_batchmatmul without antiquant_group_size, which CANN takes only for "
+        "per-channel scales; export w8a16 for Ascend instead"
+    )
 
     def __init__(
         self,
