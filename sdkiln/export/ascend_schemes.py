@@ -29,10 +29,11 @@ from torch import Tensor
 
 from sdkiln.errors import PackageError
 from sdkiln.runtime.quant import scheme_classes
-from sdkiln.runtime.quant.scales import fp19_nearest, is_fp19
+from sdkiln.runtime.quant.scales import fp19_nearest
 from sdkiln.runtime.quant.w8a8_static import quant_bias
 
 FLOAT_TAG = "FLOAT"
+DTYPE_HINT = "name it with `export-ascend --dtype`, `optimize --ascend-dtype` or export_ascend(dtype=...)"
 
 
 @dataclass
@@ -94,17 +95,28 @@ class AscendLayer:
         """W8A8's ``input_scale``, ``input_offset``, ``deq_scale`` and ``quant_bias`` ([*lead, ...]) as
         MindIE SD computes with them: ``input_scale`` bfloat16-exact for a bfloat16 deployment (it
         casts it), ``deq_scale`` fp19-exact for a float16 one (CANN keeps 10 mantissa bits), and
-        ``quant_bias`` from those values. A package from this sdkiln is on both grids already."""
+        ``quant_bias`` from those values. A package from this sdkiln is on both grids already.
+
+        ``deq_scale`` is written as MindIE SD reads it: float32 for bfloat16 models; for float16 models
+        the float32 bit pattern read as an int32 and widened to int64 (msModelSlim's
+        ``deqscale2int64``; the scales are positive, so that is the bits in the low word, zeros above).
+        """
+        if self.deploy_dtype not in (torch.bfloat16, torch.float16):
+            raise PackageError(
+                f"{self.name}: deq_scale's form depends on the dtype MindIE SD runs the model in (float32 for "
+                f"bfloat16, int64 for float16) and the package's model is in neither: {DTYPE_HINT}"
+            )
         n, _ = self.out_in
         scale = self.take("input_scale", torch.float32, (*lead, 1))
         offset = self.take("input_offset", torch.float32, (*lead, 1))
         deq = self.take("deq_scale", torch.float32, (*lead, n))
         qbias = self.take("quant_bias", torch.int32, (*lead, n))
-        check_deq_scale(deq, self)
-        new_scale = scale.to(torch.bfloat16).float() if self.deploy_dtype == torch.bfloat16 else scale
+        if not bool(torch.isfinite(deq).all()) or not bool((deq > 0).all()):
+            raise PackageError(f"{self.name}.deq_scale: has non-positive or non-finite values")
+        bf16 = self.deploy_dtype == torch.bfloat16
+        new_scale = scale.to(torch.bfloat16).float() if bf16 else scale
         new_deq = (deq.double() * (new_scale.double() / scale.double())).float()
-        if self.deploy_dtype == torch.float16 and not is_fp19(new_deq):
-            new_deq = fp19_nearest(new_deq)
+        new_deq = new_deq if bf16 else fp19_nearest(new_deq)  # unchanged if already on the grid
         if not (torch.equal(new_scale, scale) and torch.equal(new_deq, deq)):
             self.regridded = True
             bias = self.tensors.get("bias")
@@ -112,7 +124,7 @@ class AscendLayer:
         return {
             "input_scale": (new_scale, tag),
             "input_offset": (offset, tag),
-            "deq_scale": (pack_deq_scale(new_deq, self), tag),
+            "deq_scale": (new_deq if bf16 else new_deq.view(torch.int32).to(torch.int64), tag),
             "quant_bias": (qbias, tag),
         }
 
@@ -147,29 +159,6 @@ def ascend_layer_tensors(scheme: str, layer: AscendLayer) -> dict[str, tuple[Ten
             f"{layer.name}: scheme {scheme} has no Ascend converter; this sdkiln exports {sorted(CONVERTERS)}"
         )
     return CONVERTERS[scheme](layer)
-
-
-DTYPE_HINT = "name it with `export-ascend --dtype`, `optimize --ascend-dtype` or export_ascend(dtype=...)"
-
-
-def check_deq_scale(deq: Tensor, layer: AscendLayer) -> None:
-    if layer.deploy_dtype not in (torch.bfloat16, torch.float16):
-        raise PackageError(
-            f"{layer.name}: deq_scale's form depends on the dtype MindIE SD runs the model in (float32 for "
-            f"bfloat16, int64 for float16) and the package's model is in neither: {DTYPE_HINT}"
-        )
-    if not bool(torch.isfinite(deq).all()) or not bool((deq > 0).all()):
-        raise PackageError(f"{layer.name}.deq_scale: has non-positive or non-finite values")
-
-
-def pack_deq_scale(deq: Tensor, layer: AscendLayer) -> Tensor:
-    """``deq_scale`` as MindIE SD reads it: float32 for bfloat16 models; for float16 models the
-    float32 bit pattern read as an int32 and widened to int64 (msModelSlim's ``deqscale2int64``).
-
-    The scales are positive, so the widened value is the fp32 bits in the low 32 bits and zeros above.
-    """
-    deq = deq.float().contiguous()
-    return deq if layer.deploy_dtype == torch.bfloat16 else deq.view(torch.int32).to(torch.int64)
 
 
 @converter("W8A8_DYNAMIC")

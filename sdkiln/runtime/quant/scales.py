@@ -57,7 +57,3 @@ def fp19_nearest(x: Tensor) -> Tensor:
     """Positive float32 ``x`` rounded to nearest with 10 mantissa bits: what CANN's int64
     ``deq_scale`` keeps, so the truncation it applies changes nothing."""
     return _round_bits(x.detach().float(), _FP19_DROPPED, up=False)
-
-
-def is_fp19(x: Tensor) -> bool:
-    return bool(((x.float().contiguous().view(torch.int32) & _FP19_DROPPED) == 0).all())
