@@ -12,7 +12,7 @@ export OMP_NUM_THREADS ?= 1
 export HF_HUB_OFFLINE := 1
 export TORCH_DEVICE_BACKEND_AUTOLOAD := 0
 
-.PHONY: setup setup-test setup-bench demo test test-all lint dataset bench-quant bench-cache readme-numbers fuzz clean
+.PHONY: setup setup-test setup-bench demo test test-all lint dataset bench-quant bench-cache bench-kernels readme-numbers fuzz clean
 
 $(PY):
 	@if $(PYTHON) -c "import torch" >/dev/null 2>&1; then \
@@ -90,6 +90,13 @@ bench-quant: setup-bench
 # bench/results/cache_fmnist.json and docs/img/cache_pareto.png.
 bench-cache: setup-bench
 	$(PY) bench/cache.py
+
+# Our ops against torch eager and torch.compile per op and shape, then one transformer forward of
+# FLUX.1-dev and Wan2.1-14B size per method (float, compile, torchao, ours): GPU shapes on a GPU, small
+# shapes on CPU (a few minutes); bench/results/kernels_<device>.json and e2e_<device>.json.
+bench-kernels: setup-bench
+	$(PY) bench/kernels.py
+	$(PY) bench/e2e.py
 
 # The README's "Times" section: tools/readme_numbers.py runs `make test` and `make demo` here (about
 # 10 minutes on 2 cores; run it on a quiet machine), times them, reads what they print, and rewrites

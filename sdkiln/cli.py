@@ -175,7 +175,12 @@ def cmd_run(args) -> int:
             f"--out {args.out!r}: the image type comes from the suffix: one of {', '.join(IMAGE_SUFFIXES)}"
         )
     device = resolve_device(args.device)
-    pipe = load(args.package, device=device, digest=args.digest)
+    compile_config = None
+    if args.compile or args.cuda_graphs:
+        from sdkiln.configs.runtime import CompileConfig
+
+        compile_config = CompileConfig(regional=True, cuda_graphs=args.cuda_graphs)
+    pipe = load(args.package, device=device, digest=args.digest, compile=compile_config)
     call = pipe.sdkiln_manifest["call"]
     kwargs = dict(call["defaults"])
     kwargs["output_type"] = "np"
@@ -355,6 +360,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     r.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, npu, ...")
     r.add_argument("--digest", default=None, help="refuse the package unless its digest is this sha256:...")
+    r.add_argument(
+        "--compile",
+        action="store_true",
+        help="compile the repeated blocks with sdkiln's backend (fused ops, then Inductor); the first "
+        "image pays the compile",
+    )
+    r.add_argument(
+        "--cuda-graphs", action="store_true", help="also capture CUDA graphs (implies --compile; CUDA only)"
+    )
     r.set_defaults(func=cmd_run)
 
     i = sub.add_parser("inspect", help="verify a package and show its recipe, layers, sizes and quality")

@@ -10,6 +10,10 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
+# Without a GPU, Triton kernels run in Triton's interpreter; it must be on before any kernel module
+# is imported (tests/kernels/test_triton_kernels.py).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_addoption(parser):

@@ -53,19 +53,32 @@ class ParallelConfig:
 
 
 COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+FUSIONS = ("rms_norm", "adaln", "rope", "gelu_tanh", "gate_add", "norm_quantize")
+"""The compile backend's fusion patterns (``sdkiln.runtime.compile.patterns``), one switch each."""
 
 
 @dataclass(frozen=True)
 class CompileConfig:
-    """``torch.compile`` of the loaded transformer: ``backend``, ``mode``, ``fullgraph`` and
-    ``dynamic`` as torch.compile takes them. The runtime's hooks decide outside the compiled region,
-    so quantized layers and a cache schedule compile without graph breaks; a guarded cache schedule
-    breaks once per reuse step (its check reads the device), so ``fullgraph=True`` refuses it."""
+    """How ``sdkiln.load`` compiles the transformer (``sdkiln.runtime.compile``).
 
-    backend: str = "inductor"
+    ``backend="sdkiln"`` (the default) is sdkiln's torch.compile backend: the ``fusions`` named
+    here (all by default) replace diffusers' subgraphs with fused ``sdkiln`` ops, then Inductor
+    compiles; any other name is passed to torch.compile as it is ("inductor", "eager", ...), with
+    ``mode``. ``cuda_graphs`` captures CUDA graphs (one per input shape; a new shape captures
+    again), as ``mode="reduce-overhead"`` does. ``regional`` compiles each repeated block (one graph
+    per block kind, diffusers' ``_repeated_blocks``) instead of the whole transformer: a cold start
+    compiles a few blocks, not 57. ``fullgraph`` and ``dynamic`` are torch.compile's. The runtime's
+    hooks decide outside the compiled region, so quantized layers and a cache schedule compile
+    without graph breaks; a guarded cache schedule breaks once per reuse step (its check reads the
+    device), so ``fullgraph=True`` refuses it."""
+
+    backend: str = "sdkiln"
     mode: str | None = None
     fullgraph: bool = False
     dynamic: bool | None = None
+    fusions: tuple[str, ...] = FUSIONS
+    cuda_graphs: bool = False
+    regional: bool = False
     version: ClassVar[int] = 1
 
     def __post_init__(self) -> None:
@@ -77,9 +90,22 @@ class CompileConfig:
             raise SdkilnError(f"CompileConfig.mode must be one of {COMPILE_MODES}, got {self.mode!r}")
         if not isinstance(self.fullgraph, bool) or self.dynamic not in (None, True, False):
             raise SdkilnError("CompileConfig.fullgraph is a bool and dynamic a bool or None")
+        if not isinstance(self.cuda_graphs, bool) or not isinstance(self.regional, bool):
+            raise SdkilnError("CompileConfig.cuda_graphs and regional are bools")
+        fusions = tuple(self.fusions) if isinstance(self.fusions, list | tuple) else None
+        if fusions is None or any(f not in FUSIONS for f in fusions):
+            raise SdkilnError(
+                f"CompileConfig.fusions is a list of {', '.join(FUSIONS)}; got {self.fusions!r}"
+            )
+        object.__setattr__(self, "fusions", tuple(f for f in FUSIONS if f in fusions))
+        if self.backend != "sdkiln" and (self.cuda_graphs or fusions != FUSIONS):
+            raise SdkilnError(
+                "CompileConfig.fusions and cuda_graphs are the sdkiln backend's; with backend="
+                f"{self.backend!r} use mode='reduce-overhead' for CUDA graphs"
+            )
 
     def kwargs(self) -> dict[str, Any]:
-        """The keyword arguments of ``torch.compile``."""
+        """The keyword arguments of ``torch.compile`` for a backend other than sdkiln's."""
         return {
             "backend": self.backend,
             "mode": self.mode,
@@ -88,7 +114,7 @@ class CompileConfig:
         }
 
     def to_dict(self) -> dict[str, Any]:
-        return {"version": self.version} | dataclasses.asdict(self)
+        return {"version": self.version} | dataclasses.asdict(self) | {"fusions": list(self.fusions)}
 
     @classmethod
     def from_dict(cls, data: Any) -> CompileConfig:

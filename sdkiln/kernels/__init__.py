@@ -5,6 +5,7 @@ A device's kernels register only through ``load_device_kernels(device_type)``.""
 from sdkiln.kernels.ops.attention import attention
 from sdkiln.kernels.ops.elementwise import gelu_tanh, mul_add
 from sdkiln.kernels.ops.fp8 import fp8_linear, fp8_quantize_per_token
+from sdkiln.kernels.ops.fused import layer_norm_modulate_quantize, rms_norm_quantize
 from sdkiln.kernels.ops.int8 import (
     quantize_per_tensor_int8,
     quantize_per_token_int8,
@@ -13,6 +14,7 @@ from sdkiln.kernels.ops.int8 import (
 )
 from sdkiln.kernels.ops.norm import layer_norm_modulate, rms_norm
 from sdkiln.kernels.ops.rope import rope
+from sdkiln.kernels.ops.sparse_attention import block_sparse_attention
 from sdkiln.kernels.ops.weight_only import weight_only_linear
 from sdkiln.kernels.platform import Platform, current_platform, resolve_device
 from sdkiln.kernels.registry import (
@@ -27,6 +29,7 @@ from sdkiln.kernels.registry import (
 __all__ = [
     "Platform",
     "attention",
+    "block_sparse_attention",
     "current_platform",
     "fp8_linear",
     "fp8_quantize_per_token",
@@ -34,6 +37,7 @@ __all__ = [
     "implementation",
     "kernels",
     "layer_norm_modulate",
+    "layer_norm_modulate_quantize",
     "load_device_kernels",
     "mul_add",
     "op_names",
@@ -43,6 +47,7 @@ __all__ = [
     "remove_kernel",
     "resolve_device",
     "rms_norm",
+    "rms_norm_quantize",
     "rope",
     "w8a8_linear",
     "w8a8_static_linear",

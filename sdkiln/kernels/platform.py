@@ -99,7 +99,7 @@ class CudaPlatform(Platform):
     device_type = "cuda"
     dispatch_key = "CUDA"
     dist_backend = "nccl"
-    kernel_modules = ("sdkiln.kernels.cuda",)
+    kernel_modules = ("sdkiln.kernels.cuda", "sdkiln.kernels.triton")
 
     def synchronize(self) -> None:
         torch.cuda.synchronize()

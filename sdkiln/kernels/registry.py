@@ -40,10 +40,13 @@ from typing import TypeVar
 import torch
 from torch import Tensor
 
+from sdkiln.errors import DeviceError
 from sdkiln.kernels.platform import DISPATCH_KEYS, platform_class
 
 NAMESPACE = "sdkiln"
 REFERENCE = "reference"
+KERNEL_DEPENDENCIES = {"triton": "gpu", "torch_npu": "npu"}
+"""The third-party module a device's kernels import -> the sdkiln extra that installs it."""
 
 _F = TypeVar("_F", bound=Callable)
 
@@ -222,5 +225,13 @@ def load_device_kernels(device_type: str) -> list[str]:
     the device a package is loaded onto; call it yourself for a pipeline you built and moved."""
     modules = list(platform_class(device_type).kernel_modules)
     for module in modules:
-        importlib.import_module(module)
+        try:
+            importlib.import_module(module)
+        except ModuleNotFoundError as err:
+            if err.name not in KERNEL_DEPENDENCIES:
+                raise
+            raise DeviceError(
+                f"the {device_type} kernels ({module}) need {err.name}, which is not installed: "
+                f"pip install 'sdkiln[{KERNEL_DEPENDENCIES[err.name]}]'"
+            ) from None
     return modules

@@ -10,9 +10,11 @@
    the manifest names (from diffusers or sdkiln's model zoo, nowhere else);
 6. **restore sections**: each section's ``attach`` handler (step tracker, cache schedule, ...);
 7. **parallel**: the device mesh of ``parallel`` (``ParallelConfig``);
-8. **compile**: ``torch.compile`` of the transformer (``CompileConfig``); the runtime's hooks decide
-   outside the compiled region (``runtime.cache.hooks``), so the compiled graph sees tensors only;
-9. **device**: the device's kernels (``kernels.load_device_kernels``), then the pipeline moves there.
+8. **device**: the device's kernels (``kernels.load_device_kernels``), then the pipeline moves there;
+9. **compile**: the transformer, or its repeated blocks, compiled (``CompileConfig``; sdkiln's
+   backend fuses diffusers' subgraphs into sdkiln ops, ``runtime.compile``) for the device it is
+   on; the runtime's hooks decide outside the compiled region (``runtime.cache.hooks``), so the
+   graphs see tensors only.
 """
 
 from __future__ import annotations
@@ -115,7 +117,9 @@ def _parallel(ctx: restore.RestoreContext, parallel: ParallelConfig | None) -> N
 
 def _compile(ctx: restore.RestoreContext, compile: CompileConfig | None) -> None:
     if compile is not None:
-        setattr(ctx.pipeline, ctx.transformer_attr, torch.compile(ctx.transformer, **compile.kwargs()))
+        from sdkiln.runtime.compile import compile_transformer
+
+        setattr(ctx.pipeline, ctx.transformer_attr, compile_transformer(ctx.transformer, compile))
 
 
 def load(
@@ -144,6 +148,7 @@ def load(
     ctx.pipeline = _assemble(pkg, ctx.transformer)
     restore.run_stage("attach", sections, ctx)
     _parallel(ctx, parallel)
-    _compile(ctx, compile)
     kernels.load_device_kernels(target.type)
-    return ctx.pipeline.to(target)
+    ctx.pipeline.to(target)
+    _compile(ctx, compile)
+    return ctx.pipeline

@@ -1,6 +1,7 @@
 """A fake ``torch_npu``: each op the Ascend paths use, computed in plain torch from its API
-reference (hiascend.com, torch_npu 6.0/7.0; CANN's aclnn pages for what they add), with the shapes
-and dtypes the reference allows checked. It records every call as (op, args, kwargs).
+reference (hiascend.com, torch_npu 6.0/7.0; CANN's aclnn pages for what they add; the op-plugin
+repository's ``docs/`` for the ops added since, up to 26.0.0), with the shapes and dtypes the
+reference allows checked. It records every call as (op, args, kwargs).
 
 ``tests/kernels/test_npu_mapping.py`` puts it in ``sys.modules`` to check sdkiln's NPU kernels;
 ``tests/export/mindie_emulation.py`` calls it to compute what MindIE SD's layers compute. It cannot
@@ -10,11 +11,29 @@ hardware's internal order and precision are not documented.
 """
 
 import importlib.machinery
+import math
 import types
 
 import torch
 
 HALF = [torch.float16, torch.bfloat16]
+FLOATS = [torch.float16, torch.bfloat16, torch.float32]
+# npu_rms_norm on Atlas A2/A3: the gamma dtypes each input dtype may take.
+RMS_NORM_GAMMA = {
+    torch.float16: (torch.float16, torch.float32),
+    torch.bfloat16: (torch.bfloat16, torch.float32),
+    torch.float32: (torch.float32,),
+}
+# npu_rotary_mul (jit_compile=False, Atlas A2/A3): the r1/r2 shapes each input layout takes, per
+# rotary_mode, over the layout's letters ("1" is a broadcast axis).
+ROTARY_LAYOUTS = {
+    "half": {
+        "BNSD": ("11SD", "B1SD", "BNSD"),
+        "BSND": ("1S1D", "BS1D", "BSND"),
+        "SBND": ("S11D", "SB1D", "SBND"),
+    },
+    "interleave": {"BNSD": ("11SD",), "BSND": ("1S1D",), "SBND": ("S11D",)},
+}
 FP19_KEPT = ~0x1FFF  # aclnnTransQuantParam: a float32 scale keeps its top 19 bits for the hardware
 
 
@@ -108,3 +127,117 @@ class FakeTorchNpu(types.ModuleType):
         w = values.double() * antiquant_scale.double().repeat_interleave(k // groups, dim=0)
         y = x.double() @ w
         return (y if bias is None else y + bias.double()).to(x.dtype)
+
+    def npu_rms_norm(self, input, gamma, epsilon=1e-6):
+        self._record("npu_rms_norm", input, gamma, epsilon=epsilon)
+        assert input.dtype in FLOATS and 2 <= input.dim() <= 8
+        assert gamma.dtype in RMS_NORM_GAMMA[input.dtype]
+        assert 0 < gamma.dim() < input.dim() and gamma.shape == input.shape[input.dim() - gamma.dim() :]
+        axes = tuple(range(input.dim() - gamma.dim(), input.dim()))
+        x = input.double()
+        rstd = torch.rsqrt(x.square().mean(dim=axes, keepdim=True) + epsilon)
+        # rstd: float32, the input's leading axes (those gamma does not cover)
+        return (x * rstd * gamma.double()).to(input.dtype), rstd.float().reshape(input.shape[: axes[0]])
+
+    def npu_gelu(self, input, *, approximate="none"):
+        self._record("npu_gelu", input, approximate=approximate)
+        assert approximate in ("none", "tanh") and input.dtype in FLOATS and input.dim() <= 8
+        x = input.double()
+        if approximate == "tanh":  # erf replaced by the tanh approximation (its standard constants)
+            y = 0.5 * x * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)))
+        else:
+            y = 0.5 * x * (1 + torch.erf(x / math.sqrt(2)))
+        return y.to(input.dtype)
+
+    def npu_rotary_mul(self, input, r1, r2, rotary_mode="half"):
+        self._record("npu_rotary_mul", input, r1, r2, rotary_mode=rotary_mode)
+        assert rotary_mode in ROTARY_LAYOUTS and input.dim() == 4 and r1.dim() == 4 and r1.shape == r2.shape
+        # The reference lists float16/bfloat16/float32 for each; it never mixes them in an example.
+        assert input.dtype in FLOATS and r1.dtype == r2.dtype == input.dtype
+        d = input.shape[-1]
+        assert d % 2 == 0 and d < 896
+        fitting = []  # torch_npu infers the layout from the shapes: every reading that fits must be in limits
+        for layout, tables in ROTARY_LAYOUTS[rotary_mode].items():
+            axes = dict(zip(layout, input.shape, strict=True))
+            if any(tuple(r1.shape) == tuple(1 if c == "1" else axes[c] for c in table) for table in tables):
+                fitting.append(axes)
+        assert fitting, f"r1 {tuple(r1.shape)} fits no documented layout of input {tuple(input.shape)}"
+        for axes in fitting:
+            if rotary_mode == "interleave":
+                assert axes["B"] * axes["N"] < 1000
+            else:
+                assert axes["B"] < 1000 and axes["N"] < 1000
+        x = input.double()
+        if rotary_mode == "half":
+            x1, x2 = torch.chunk(x, 2, dim=-1)
+            rotated = torch.cat((-x2, x1), dim=-1)
+        else:
+            rotated = torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
+        return (r1.double() * x + r2.double() * rotated).to(input.dtype)
+
+    @staticmethod
+    def _masked_softmax_attention(q, k, v, masked_out, scale):
+        """q [B, N, Sq, D], k/v [B, N, Sk, D] in float64, masked_out True where a logit is dropped:
+        (out, row max, row sum of exp(logit - max)). A row with nothing left gives NaN, as the formula."""
+        logits = (q @ k.transpose(-1, -2)) * scale
+        if masked_out is not None:
+            logits = logits.masked_fill(masked_out, -math.inf)
+        row_max = logits.amax(dim=-1, keepdim=True)
+        e = torch.exp(logits - row_max)
+        row_sum = e.sum(dim=-1, keepdim=True)
+        return (e / row_sum) @ v, row_max, row_sum
+
+    def npu_fusion_attention(self, query, key, value, head_num, input_layout, pse=None, padding_mask=None,
+                             atten_mask=None, scale=1.0, keep_prob=1.0, pre_tockens=2147483647,
+                             next_tockens=2147483647, inner_precise=0, prefix=None, actual_seq_qlen=None,
+                             actual_seq_kvlen=None, sparse_mode=0, gen_mask_parallel=True, sync=False):  # fmt: skip
+        self._record("npu_fusion_attention", query, key, value, head_num, input_layout, atten_mask=atten_mask,
+                     scale=scale, keep_prob=keep_prob, sparse_mode=sparse_mode, inner_precise=inner_precise)  # fmt: skip
+        assert input_layout == "BSND", "the fake implements the BSND layout only"
+        assert pse is None and padding_mask is None and prefix is None and actual_seq_qlen is None
+        assert keep_prob == 1.0 and sparse_mode == 0 and pre_tockens == next_tockens == 2147483647
+        assert query.dtype in HALF and key.dtype == value.dtype == query.dtype
+        b, sq, n, d = query.shape
+        sk, nkv = key.shape[1], key.shape[2]
+        assert key.dim() == value.dim() == 4 and key.shape[:3] == value.shape[:3] and key.shape[0] == b
+        assert head_num == n and n % nkv == 0 and key.shape[3] == d and value.shape[3] <= d <= 768
+        if atten_mask is not None:  # True (1) drops the position
+            assert atten_mask.dtype in (torch.bool, torch.uint8)
+            assert tuple(atten_mask.shape) in ((b, n, sq, sk), (b, 1, sq, sk), (1, 1, sq, sk), (sq, sk))
+            atten_mask = atten_mask.bool()
+        heads = n // nkv
+        q, k, v = (t.double().transpose(1, 2) for t in (query, key, value))
+        k, v = k.repeat_interleave(heads, dim=1), v.repeat_interleave(heads, dim=1)
+        out, row_max, row_sum = self._masked_softmax_attention(q, k, v, atten_mask, scale)
+        # softmax_max/softmax_sum: float32 [B, N, Sq, 8] (torch_npu's meta registration), each row's value
+        # in all 8 (op-plugin's test_npu_flash_attention_grad.py builds them with expand(..., 8)).
+        stats = [t.float().expand(b, n, sq, 8).contiguous() for t in (row_max, row_sum)]
+        out = out.transpose(1, 2).to(query.dtype)
+        return out, stats[0], stats[1], query.new_empty(0), 0, 0, 0
+
+    def npu_block_sparse_attention(self, query, key, value, block_sparse_mask, block_shape, *,
+                                   q_input_layout="TND", kv_input_layout="TND", num_key_value_heads=1,
+                                   scale_value=0.0, inner_precise=1, actual_seq_lengths=None,
+                                   actual_seq_lengths_kv=None, softmax_lse_flag=0):  # fmt: skip
+        self._record("npu_block_sparse_attention", query, key, value, block_sparse_mask, block_shape,
+                     q_input_layout=q_input_layout, kv_input_layout=kv_input_layout,
+                     num_key_value_heads=num_key_value_heads, scale_value=scale_value,
+                     inner_precise=inner_precise, softmax_lse_flag=softmax_lse_flag)  # fmt: skip
+        assert q_input_layout == kv_input_layout == "BNSD", "the fake implements the BNSD layout only"
+        assert (actual_seq_lengths is None) == (actual_seq_lengths_kv is None)
+        assert query.dtype in HALF and key.dtype == value.dtype == query.dtype and key.shape == value.shape
+        assert query.dtype != torch.bfloat16 or inner_precise == 0
+        b, n, sq, d = query.shape
+        nkv, sk = key.shape[1], key.shape[2]
+        assert key.shape[0] == b and key.shape[3] == d and d in (64, 128)  # forward: headDim 64 or 128
+        assert num_key_value_heads == nkv and n % nkv == 0
+        bx, by = block_shape[:2]
+        assert bx > 0 and by > 0 and by % 128 == 0
+        assert block_sparse_mask.dtype == torch.int8
+        assert tuple(block_sparse_mask.shape) == (b, n, math.ceil(sq / bx), math.ceil(sk / by))
+        kept = block_sparse_mask.bool().repeat_interleave(bx, dim=2).repeat_interleave(by, dim=3)
+        q, k, v = query.double(), key.double(), value.double()
+        k, v = k.repeat_interleave(n // nkv, dim=1), v.repeat_interleave(n // nkv, dim=1)
+        out, row_max, row_sum = self._masked_softmax_attention(q, k, v, ~kept[:, :, :sq, :sk], scale_value)
+        lse = (row_max + torch.log(row_sum)).float() if softmax_lse_flag == 1 else query.new_empty(0)
+        return out.to(query.dtype), lse

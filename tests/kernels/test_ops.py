@@ -342,6 +342,22 @@ def op_samples(device) -> dict[str, tuple]:
             randn(5, device=device, dtype=torch.bfloat16),
             16,
         ),
+        "rms_norm_quantize": (randn(2, 3, 8, device=device), randn(8, device=device), 1e-6, torch.int8),
+        "layer_norm_modulate_quantize": (
+            randn(2, 3, 8, device=device),
+            randn(2, 8, device=device),
+            randn(2, 8, device=device),
+            1e-6,
+            torch.float8_e4m3fn,
+        ),
+        "block_sparse_attention": (
+            randn(1, 5, 2, 8, device=device),
+            randn(1, 5, 2, 8, device=device),
+            randn(1, 5, 2, 8, device=device),
+            torch.tensor([[[[0, -1], [1, 0]], [[1, -1], [-1, -1]]]], dtype=torch.int32, device=device),
+            4,
+            None,
+        ),
     }
 
 
@@ -497,7 +513,8 @@ def test_device_kernels_load_only_when_asked():
         "import sdkiln.kernels as K, sys\n"
         "assert not any(K.kernels(op, 'cuda') for op in K.op_names())\n"
         "assert 'sdkiln.kernels.cuda' not in sys.modules\n"
-        "assert K.load_device_kernels('cuda') == ['sdkiln.kernels.cuda'] == K.load_device_kernels('cuda')\n"
+        "assert K.load_device_kernels('cuda') == ['sdkiln.kernels.cuda', 'sdkiln.kernels.triton']\n"
+        "assert K.load_device_kernels('cuda') == ['sdkiln.kernels.cuda', 'sdkiln.kernels.triton']\n"
         "print([k.name for k in K.kernels('fp8_linear', 'cuda')])\n"
     )
     import subprocess
@@ -505,7 +522,7 @@ def test_device_kernels_load_only_when_asked():
 
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "['scaled_mm']"
+    assert out.stdout.strip() == "['scaled_mm', 'triton']"
     assert K.load_device_kernels("cpu") == []
 
 

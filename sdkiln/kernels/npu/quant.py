@@ -42,7 +42,7 @@ HALF_DTYPES = (torch.float16, torch.bfloat16)
 KERNEL_NAME = "torch_npu"
 
 
-def _check_half(op: str, what: str, dtype: torch.dtype) -> None:
+def check_half(op: str, what: str, dtype: torch.dtype) -> None:
     if dtype not in HALF_DTYPES:
         raise ValueError(
             f"sdkiln::{op} on Ascend: torch_npu's kernel takes float16 or bfloat16 {what}, got {dtype}; "
@@ -53,7 +53,7 @@ def _check_half(op: str, what: str, dtype: torch.dtype) -> None:
 @register_kernel("quantize_per_token_int8", "npu", name=KERNEL_NAME)
 def quantize_per_token_int8(x: Tensor) -> tuple[Tensor, Tensor]:
     """``npu_dynamic_quant``: symmetric per-token int8 (``scale = rowmax(|x|) / 127``)."""
-    _check_half("quantize_per_token_int8", "activations", x.dtype)
+    check_half("quantize_per_token_int8", "activations", x.dtype)
     y, scale = torch_npu.npu_dynamic_quant(x.reshape(-1, x.shape[-1]))
     return y.reshape(x.shape), scale.reshape(*x.shape[:-1], 1)
 
@@ -70,7 +70,7 @@ def w8a8_linear(
     """``npu_quant_matmul(x_q, weight.t(), weight_scale, pertoken_scale=x_scale, bias=bias)``:
     the int8 product dequantized per channel and per token, the float32 bias added."""
     check_w8a8_linear(x_q, x_scale, weight, weight_scale)
-    _check_half("w8a8_linear", "outputs", out_dtype)
+    check_half("w8a8_linear", "outputs", out_dtype)
     y = torch_npu.npu_quant_matmul(
         x_q.reshape(-1, x_q.shape[-1]),
         weight.t(),
@@ -99,7 +99,7 @@ def w8a8_static_linear(
     """``npu_quant_matmul(x_q, weight.t(), deq_scale, bias=quant_bias)``: ``(x_q @ W.T + quant_bias) *
     deq_scale`` with the int32 bias added before the float32 scale, as the reference does."""
     check_w8a8_static_linear(x_q, weight, deq_scale, quant_bias)
-    _check_half("w8a8_static_linear", "outputs", out_dtype)
+    check_half("w8a8_static_linear", "outputs", out_dtype)
     y = torch_npu.npu_quant_matmul(
         x_q.reshape(-1, x_q.shape[-1]), weight.t(), deq_scale, bias=quant_bias, output_dtype=out_dtype
     )
@@ -116,7 +116,7 @@ def weight_only_linear(
     float16 activations and float32 for bfloat16 ones, as MindIE SD passes it.
     """
     check_weight_only_linear(x, weight, weight_scale, group_size)
-    _check_half("weight_only_linear", "activations", x.dtype)
+    check_half("weight_only_linear", "activations", x.dtype)
     if weight.dtype == torch.uint8:
         packed = torch_npu.npu_convert_weight_to_int4pack(unpack_int4(weight).to(torch.int32))
         weight_kn = packed.t()

@@ -1,6 +1,6 @@
 """The ``sdkiln`` ops, one module per op family: schema, checks, pure-torch reference, fake and
 wrapper side by side (``elementwise``, ``norm``, ``rope``, ``attention``, ``int8``, ``fp8``,
-``weight_only``). Importing this package defines every op (``sdkiln.kernels.registry``).
+``weight_only``, ``fused`` (norm + quantize), ``sparse_attention``). Importing this package defines every op (``sdkiln.kernels.registry``).
 
 The references are the CPU implementation, the fallback on any device without a kernel that
 supports the arguments, and the oracle that every kernel is tested against. Their numerics
@@ -15,6 +15,26 @@ contract, which a kernel must follow to match them:
 * Outputs are contiguous and never alias an input.
 """
 
-from sdkiln.kernels.ops import attention, elementwise, fp8, int8, norm, rope, weight_only
+from sdkiln.kernels.ops import (
+    attention,
+    elementwise,
+    fp8,
+    fused,
+    int8,
+    norm,
+    rope,
+    sparse_attention,
+    weight_only,
+)
 
-__all__ = ["attention", "elementwise", "fp8", "int8", "norm", "rope", "weight_only"]
+__all__ = [
+    "attention",
+    "elementwise",
+    "fp8",
+    "fused",
+    "int8",
+    "norm",
+    "rope",
+    "sparse_attention",
+    "weight_only",
+]

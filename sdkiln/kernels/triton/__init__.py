@@ -1,0 +1,20 @@
+"""Triton kernels of the ``sdkiln`` ops, registered as their "cuda" kernels under the name
+``"triton"`` by ``load_device_kernels("cuda")`` (``CudaPlatform.kernel_modules``).
+
+Each kernel is a ``torch.library.triton_op`` (namespace ``sdkiln_triton``) launched through
+``wrap_triton``, so Inductor can see into it, and is registered with a ``supports()`` predicate over
+the op's arguments; what a kernel does not support runs the next kernel or the pure-torch
+reference. Every kernel follows the reference's numerics contract (``sdkiln.kernels.ops``) and is
+tested against it (``tests/kernels/test_triton_kernels.py``), on CPU under Triton's interpreter
+(``TRITON_INTERPRET=1``) at small shapes and on a GPU where there is one.
+
+Modules: ``rows`` (norms, adaLN, per-token quantization and their fused forms), ``elementwise``
+(gelu_tanh, mul_add, rope, per-tensor quantization), ``gemm`` (the quantized linears),
+``attention`` (flash attention with log-sum-exp, block-sparse attention), ``configs`` (launch and
+autotune configurations per GPU generation).
+"""
+
+from sdkiln.kernels.triton import attention, elementwise, gemm, rows
+from sdkiln.kernels.triton.configs import KERNEL_NAME
+
+__all__ = ["KERNEL_NAME", "attention", "elementwise", "gemm", "rows"]
