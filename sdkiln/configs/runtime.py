@@ -79,7 +79,8 @@ class CompileConfig:
     fusions: tuple[str, ...] = FUSIONS
     cuda_graphs: bool = False
     regional: bool = False
-    version: ClassVar[int] = 1
+    version: ClassVar[int] = 2
+    """2: the sdkiln backend by default, with fusions, cuda_graphs and regional."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.backend, str) or not self.backend:
@@ -103,15 +104,6 @@ class CompileConfig:
                 "CompileConfig.fusions and cuda_graphs are the sdkiln backend's; with backend="
                 f"{self.backend!r} use mode='reduce-overhead' for CUDA graphs"
             )
-
-    def kwargs(self) -> dict[str, Any]:
-        """The keyword arguments of ``torch.compile`` for a backend other than sdkiln's."""
-        return {
-            "backend": self.backend,
-            "mode": self.mode,
-            "fullgraph": self.fullgraph,
-            "dynamic": self.dynamic,
-        }
 
     def to_dict(self) -> dict[str, Any]:
         return {"version": self.version} | dataclasses.asdict(self) | {"fusions": list(self.fusions)}

@@ -144,6 +144,35 @@ def test_quantization_is_exact(triton_on, dtype):
     )
 
 
+def test_edge_values_round_as_torch_does(triton_on):
+    """Signed zeros, tiny negatives, float8 ties and subnormals, values at e4m3's top, NaN and
+    infinities: the explicit rounding (kernels/triton/rounding.py) must give torch's bits."""
+    specials = [0.0, -0.0, -1e-4, 1e-4, 448.0, -447.0, 440.0, 200.0, 17.0, 2.0**-9, 3 * 2.0**-10, 0.3]
+    row = torch.tensor(specials + [1.0] * (16 - len(specials)))
+    x = torch.stack([row, row * 448.0 / 448.0, -row]).to(triton_on)  # absmax 448: scale 1, values as they are
+    got, want = run("fp8_quantize_per_token", triton_on, x), reference("fp8_quantize_per_token", x)
+    assert torch.equal(got[0].cpu().view(torch.uint8), want[0].view(torch.uint8))
+    nan_inf = torch.tensor([[float("nan"), float("inf"), -float("inf"), -0.0, 1.0, 2.0, 3.0, 4.0]]).to(
+        triton_on
+    )
+    for dtype in (torch.bfloat16, torch.float16):
+        y = run("gelu_tanh", triton_on, nan_inf.to(dtype)).cpu()
+        ref = reference("gelu_tanh", nan_inf.to(dtype))
+        assert torch.isnan(y[0, 0]) and torch.equal(y[0, 1:].isinf(), ref[0, 1:].isinf())
+        out = run("mul_add", triton_on, nan_inf.to(dtype), nan_inf.to(dtype), nan_inf.to(dtype)).cpu()
+        assert torch.equal(out.isnan(), reference("mul_add", *(nan_inf.to(dtype),) * 3).isnan())
+
+
+def test_mul_add_broadcasts_as_torch(triton_on):
+    """A 2-D operand of a 3-D x broadcasts as [1, S, D] (torch's rule), not per sample (adaLN's)."""
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(2, 3, 8, generator=g).to(triton_on)
+    for y in (torch.randn(3, 8, generator=g), torch.randn(8, generator=g), torch.randn(2, 1, 8, generator=g)):
+        y = y.to(triton_on)
+        assert torch.equal(run("mul_add", triton_on, x, y, x).cpu(), reference("mul_add", x, y, x))
+        assert torch.equal(run("mul_add", triton_on, y, x, x).cpu(), reference("mul_add", y, x, x))
+
+
 @pytest.mark.parametrize("qdtype", [torch.int8, torch.float8_e4m3fn])
 @pytest.mark.parametrize("dtype", HALF)
 def test_fused_norm_quantize(triton_on, dtype, qdtype):

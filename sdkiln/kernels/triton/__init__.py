@@ -2,9 +2,12 @@
 ``"triton"`` by ``load_device_kernels("cuda")`` (``CudaPlatform.kernel_modules``).
 
 Each kernel is a ``torch.library.triton_op`` (namespace ``sdkiln_triton``) launched through
-``wrap_triton``, so Inductor can see into it, and is registered with a ``supports()`` predicate over
-the op's arguments; what a kernel does not support runs the next kernel or the pure-torch
-reference. Every kernel follows the reference's numerics contract (``sdkiln.kernels.ops``) and is
+``wrap_triton``, so Inductor can trace into it where a graph calls it directly, and is registered
+with a ``supports()`` predicate over the op's arguments; what a kernel does not support runs the
+next kernel or the pure-torch reference. A compiled graph today calls the ``sdkiln`` op, which
+Inductor treats as an extern kernel: its CUDA dispatcher picks the kernel and calls the triton_op
+(one Python dispatch per call, which CUDA graphs remove). Lowering the ops to the triton_ops inside
+the graph is GPU-performance work (docs/kernels.md). Every kernel follows the reference's numerics contract (``sdkiln.kernels.ops``) and is
 tested against it (``tests/kernels/test_triton_kernels.py``), on CPU under Triton's interpreter
 (``TRITON_INTERPRET=1``) at small shapes and on a GPU where there is one.
 

@@ -28,7 +28,9 @@ from sdkiln.kernels.triton.rounding import rounded
 from sdkiln.kernels.triton.rows import FLOATS
 
 LOG2E = 1.4426950408889634
-HEAD_DIMS = (16, 32, 64, 128, 256)
+HEAD_DIMS = (16, 32, 64, 128)
+"""Head dims the kernel takes (FLUX, SD3, Wan: 64 or 128); 256 would need smaller tiles than the
+configs hold, so it runs the reference."""
 SPARSE_BLOCKS = (16, 32, 64, 128)
 
 
@@ -42,9 +44,9 @@ def _attention(
 ):  # fmt: skip
     qblock = tl.program_id(0)
     bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    rm = qblock * BLOCK_M + tl.arange(0, BLOCK_M)
+    b = (bh // H).to(tl.int64)  # offsets in int64: B * S * H * D passes 2**31 for long videos
+    h = (bh % H).to(tl.int64)
+    rm = (qblock * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     rd = tl.arange(0, D)
     rdv = tl.arange(0, DV)
     m_in = rm < Sq
@@ -61,7 +63,7 @@ def _attention(
         else:
             kb = step
         if kb >= 0:
-            rn = kb * BLOCK_N + tl.arange(0, BLOCK_N)
+            rn = (kb * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
             n_in = rn < Sk
             k = tl.load(
                 k_ptr + b * skb + h * skh + rn[None, :] * sks + rd[:, None], mask=n_in[None, :], other=0.0
@@ -107,9 +109,7 @@ def _launch(
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     out = torch.empty((b, sq, h, dv), dtype=q.dtype, device=q.device)
     lse = torch.empty((b, sq, h), dtype=torch.float32, device=q.device)
-    config = attention_config(d)
-    if block is not None:
-        config = config | {"BLOCK_M": block, "BLOCK_N": block}
+    config = attention_config(max(d, dv), block)
     block_m = config.pop("BLOCK_M")
     kept_arg = kept.contiguous() if kept is not None else lse
     if b and sq and h:

@@ -75,13 +75,23 @@ def gemm_configs(kind: str) -> list[triton.Config]:
     return _configs(table[kind])
 
 
-def attention_config(head_dim: int) -> dict:
-    """Block sizes and warps of the dense attention kernel."""
+def attention_config(head_dim: int, block: int | None = None) -> dict:
+    """Tiles, warps and pipeline depth of the attention kernel for a head dim (<= 128) on this GPU;
+    ``block`` fixes both tiles (block-sparse attention: the plan's block). Shared memory holds a
+    query tile and ``num_stages`` key and value tiles: Hopper (227 KB) keeps three stages of 128x64
+    tiles at d=128, Ampere/Ada (about 100 KB usable) two of 64x64."""
     if INTERPRET:
-        return {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 1, "num_stages": 1}
-    if head_dim <= 64:
-        return {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
-    return {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
+        tile = block or 16
+        return {"BLOCK_M": tile, "BLOCK_N": tile, "num_warps": 1, "num_stages": 1}
+    hopper = capability() >= (9, 0)
+    if hopper:
+        m, n, stages = 128, 64, 3
+    else:
+        m, n, stages = (128, 64, 2) if head_dim <= 64 else (64, 64, 2)
+    if block is not None:
+        m = n = block
+        stages = 2 if block * head_dim >= 128 * 128 or not hopper else stages
+    return {"BLOCK_M": m, "BLOCK_N": n, "num_warps": 4 if head_dim <= 64 else 8, "num_stages": stages}
 
 
 def row_warps(block: int) -> int:

@@ -61,13 +61,13 @@ def mul_add(x: Tensor, y: Tensor, z: Tensor) -> Tensor:
     dtype = torch.promote_types(torch.promote_types(x.dtype, y.dtype), z.dtype)
     out = torch.empty(shape, dtype=dtype, device=x.device)
     d = shape[-1]
-    operands = [modulation_rows(t, out) for t in (x, y, z)]
+    operands = [modulation_rows(t, out, samples=False) for t in (x, y, z)]
     rows = out.numel() // d if d else 0
     block = triton.next_power_of_2(max(d, 1))
     if rows:
         wrap_triton(_mul_add)[(rows,)](
             *(t for t, _ in operands), out, d, *(div for _, div in operands),
-            BLOCK=block, num_warps=row_warps(block),
+            BLOCK=block, num_warps=row_warps(block), enable_fp_fusion=False,
         )  # fmt: skip
     return out
 
@@ -118,7 +118,7 @@ def rope(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Tensor:
     if rows:
         wrap_triton(_rope)[(rows,)](
             xc, cos4, sin4, y, d, cos4.shape[1], cos4.shape[2], *cos4.stride()[:3],
-            INTERLEAVED=interleaved, BLOCK=block, num_warps=row_warps(block),
+            INTERLEAVED=interleaved, BLOCK=block, num_warps=row_warps(block), enable_fp_fusion=False,
         )  # fmt: skip
     return y
 
@@ -156,7 +156,10 @@ register_kernel(
     "mul_add",
     "cuda",
     KERNEL_NAME,
-    supports=lambda x, y, z: all(t.dtype in FLOATS for t in (x, y, z)) and 0 < x.shape[-1] <= MAX_ROW,
+    supports=lambda x, y, z: (
+        all(t.dtype in FLOATS for t in (x, y, z))
+        and 0 < torch.broadcast_shapes(x.shape, y.shape, z.shape)[-1] <= MAX_ROW
+    ),
 )(mul_add)
 register_kernel("rope", "cuda", KERNEL_NAME, supports=_rope_fits)(rope)
 register_kernel("quantize_per_tensor_int8", "cuda", KERNEL_NAME, supports=lambda x, s, o: x.dtype in FLOATS)(

@@ -42,12 +42,13 @@ W_PLAIN, W_INT4 = 0, 1
 FUSED_WEIGHT_ONLY_MAX_M = 64
 """Above this many rows weight_only_linear dequantizes the weight and runs the dense GEMM."""
 FP8_MIN_CAPABILITY = (8, 9)
+INT8_MIN_CAPABILITY = (8, 0)
 
 
 @triton.jit
 def _qgemm(
     a_ptr, w_ptr, xs_ptr, ws_ptr, bias_ptr, out_ptr,
-    M, N, K, group_size, n_groups,
+    M, N, K, group_size, n_groups, M_BUCKET,
     EPILOGUE: tl.constexpr, W_KIND: tl.constexpr, HAS_BIAS: tl.constexpr, FP32_DOT: tl.constexpr, FP8: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
@@ -106,6 +107,8 @@ def _qgemm(
                 acc += tl.dot(a, w.to(a_ptr.dtype.element_ty))
         elif FP32_DOT and FP8:
             acc += tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+        elif FP8:  # Hopper's fp8 MMA accumulates with fewer bits: promote to fp32 once per K tile
+            acc += tl.dot(a, w, max_num_imprecise_acc=BLOCK_K)
         else:
             acc += tl.dot(a, w)
     if EPILOGUE == 0:
@@ -122,8 +125,10 @@ def _qgemm(
     tl.store(out, rounded(y, out_ptr.dtype.element_ty), mask=m_in[:, None] & n_in[None, :])
 
 
-_INT8_GEMM = triton.autotune(configs=gemm_configs("int8"), key=["M", "N", "K", "EPILOGUE"])(_qgemm)
-_HALF_GEMM = triton.autotune(configs=gemm_configs("half"), key=["M", "N", "K", "W_KIND"])(_qgemm)
+# Keyed on M's power-of-two bucket, not M: a new token count (resolution, prompt length) reuses the
+# bucket's tuning instead of autotuning again.
+_INT8_GEMM = triton.autotune(configs=gemm_configs("int8"), key=["M_BUCKET", "N", "K", "EPILOGUE"])(_qgemm)
+_HALF_GEMM = triton.autotune(configs=gemm_configs("half"), key=["M_BUCKET", "N", "K", "W_KIND"])(_qgemm)
 
 
 def _grid(m: int, n: int):
@@ -139,7 +144,7 @@ def _run(kernel, a, w, xs, ws, bias, out, k, group_size, n_groups, epilogue, w_k
         a, w = a.view(torch.uint8), w.view(torch.uint8)
     if m and n:
         wrap_triton(kernel)[_grid(m, n)](
-            a, w, xs, ws, bias, out, m, n, k, group_size, n_groups,
+            a, w, xs, ws, bias, out, m, n, k, group_size, n_groups, triton.next_power_of_2(m),
             EPILOGUE=epilogue, W_KIND=w_kind, HAS_BIAS=has_bias, FP32_DOT=interpreted() or a.dtype == torch.float32, FP8=fp8,
             enable_fp_fusion=False,
         )  # fmt: skip
@@ -154,7 +159,7 @@ def _scaled_linear(x_q, x_scale, weight, weight_scale, bias, out_dtype) -> Tenso
     out = torch.empty(a.shape[0], weight.shape[0], dtype=out_dtype, device=a.device)
     xs = x_scale.reshape(-1).contiguous()
     _run(_INT8_GEMM, a, weight.contiguous(), xs, weight_scale.reshape(-1).contiguous(),
-         xs if bias is None else bias, out, a.shape[1], 0, 1, EPI_DYNAMIC, W_PLAIN, bias is not None)  # fmt: skip
+         xs if bias is None else bias.contiguous(), out, a.shape[1], 0, 1, EPI_DYNAMIC, W_PLAIN, bias is not None)  # fmt: skip
     return out.reshape(*x_q.shape[:-1], weight.shape[0])
 
 
@@ -191,6 +196,7 @@ def w8a8_static_linear(
     check_w8a8_static_linear(x_q, weight, deq_scale, quant_bias)
     a = _rows2d(x_q)
     out = torch.empty(a.shape[0], weight.shape[0], dtype=out_dtype, device=a.device)
+    deq_scale = deq_scale.contiguous()
     _run(_INT8_GEMM, a, weight.contiguous(), deq_scale, deq_scale, quant_bias.contiguous(), out,
          a.shape[1], 0, 1, EPI_STATIC, W_PLAIN, False)  # fmt: skip
     return out.reshape(*x_q.shape[:-1], weight.shape[0])
@@ -242,7 +248,7 @@ def weight_only_linear(
         y = torch.nn.functional.linear(a, dense, None if bias is None else bias.to(x.dtype))
         return y.reshape(*x.shape[:-1], n)
     out = torch.empty(a.shape[0], n, dtype=x.dtype, device=a.device)
-    _run(_HALF_GEMM, a, weight.contiguous(), scales, scales, a if bias is None else bias, out, k,
+    _run(_HALF_GEMM, a, weight.contiguous(), scales, scales, a if bias is None else bias.contiguous(), out, k,
          group_size, scales.shape[1], EPI_WEIGHT_ONLY, w_kind, bias is not None)  # fmt: skip
     return out.reshape(*x.shape[:-1], n)
 
@@ -251,8 +257,13 @@ def _fp8_fits(*args) -> bool:
     return interpreted() or capability() >= FP8_MIN_CAPABILITY
 
 
-register_kernel("w8a8_linear", "cuda", KERNEL_NAME)(w8a8_linear)
-register_kernel("w8a8_static_linear", "cuda", KERNEL_NAME)(w8a8_static_linear)
+def _int8_fits(*args) -> bool:
+    """int8 tensor-core MMA (and bf16 outputs) need Ampere or newer."""
+    return interpreted() or capability() >= INT8_MIN_CAPABILITY
+
+
+register_kernel("w8a8_linear", "cuda", KERNEL_NAME, supports=_int8_fits)(w8a8_linear)
+register_kernel("w8a8_static_linear", "cuda", KERNEL_NAME, supports=_int8_fits)(w8a8_static_linear)
 register_kernel("fp8_linear", "cuda", KERNEL_NAME, priority=5, supports=_fp8_fits)(fp8_linear)
 register_kernel("weight_only_linear", "cuda", KERNEL_NAME, supports=lambda x, w, s, b, g: x.dtype in FLOATS)(
     weight_only_linear

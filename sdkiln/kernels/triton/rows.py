@@ -76,17 +76,18 @@ def _rows(
             v = tl.minimum(tl.maximum((v + 12582912.0) - 12582912.0, -127.0), 127.0)
             tl.store(y_ptr + row * D + cols, v.to(tl.int8), mask=inside)
         else:
-            v = fp8_rne(tl.minimum(tl.maximum(v, -448.0), 448.0))
+            v = fp8_rne(tl.where(v != v, v, tl.minimum(tl.maximum(v, -448.0), 448.0)))
             tl.store(y_ptr + row * D + cols, fp8_bits(v), mask=inside)  # y_ptr: a uint8 view
         tl.store(s_ptr + row, s)
 
 
-def modulation_rows(mod: Tensor, x: Tensor, full: bool = False) -> tuple[Tensor, int]:
+def modulation_rows(mod: Tensor, x: Tensor, full: bool = False, samples: bool = True) -> tuple[Tensor, int]:
     """A modulation broadcasting against x [..., D] as (rows [G, D] contiguous, rows of x per row):
-    one row per sample ([B, D], [B, 1, D]) or one for all keeps its size; any other broadcast, or
-    ``full``, is expanded to one row per token."""
+    one row per sample ([B, 1, D], or [B, D] under adaLN's rule, ``samples``) or one for all keeps
+    its size; any other broadcast, or ``full``, is expanded to one row per token. Without
+    ``samples`` a 2-D operand broadcasts as torch broadcasts ([S, D] is [1, S, D])."""
     d = x.shape[-1]
-    mod = per_sample(mod, x)
+    mod = per_sample(mod, x) if samples else mod
     mod = mod.reshape((1,) * (x.dim() - mod.dim()) + tuple(mod.shape))
     mod = mod.expand(*mod.shape[:-1], d)
     if not full and all(size == 1 for size in mod.shape[1:-1]) and mod.shape[0] in (1, x.shape[0]):
@@ -116,10 +117,10 @@ def _launch(x: Tensor, weight, scale, shift, eps: float, norm: int, quant: int, 
     block = triton.next_power_of_2(d)
     if rows:
         wrap_triton(_rows)[(rows,)](
-            x2, x2 if weight is None else weight, scale_rows, shift_rows,
+            x2, x2 if weight is None else weight.contiguous(), scale_rows, shift_rows,
             y.view(torch.uint8) if quant == QUANT_FP8 else y, s, d, per_group, eps,
             NORM=norm, HAS_WEIGHT=weight is not None, MODULATE=modulate, QUANT=quant,
-            BLOCK=block, num_warps=row_warps(block),
+            BLOCK=block, num_warps=row_warps(block), enable_fp_fusion=False,
         )  # fmt: skip
     return y, s
 

@@ -25,15 +25,17 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 from sdkiln.configs.runtime import CompileConfig
 from sdkiln.errors import SdkilnError
+from sdkiln.runtime.cache.hooks import cache_runner
 from sdkiln.runtime.compile import patterns
 
 log = logging.getLogger("sdkiln.compile")
 
 
-class FusionPass:
+class FusionPass(CustomGraphPass):
     """Inductor's post-grad custom pass: dedupe quantizations, float patterns, norm->quantize."""
 
     def __init__(self, enabled: tuple[str, ...], record: list):
@@ -50,8 +52,9 @@ class FusionPass:
         graph.eliminate_dead_code()
 
     def uuid(self) -> Any:
-        """Inductor's FX-graph cache key for this pass: the patterns it applies."""
-        return ("sdkiln-fusion", 1, self.enabled)
+        """Inductor's FX-graph cache key for this pass: the source of the pass and its patterns, and
+        which patterns are on (a cached graph is reused only if the pass would rewrite it the same)."""
+        return (get_hash_for_files((patterns.__file__, __file__)), self.enabled)
 
 
 class Backend:
@@ -82,9 +85,15 @@ class Backend:
         return compile_fx(gm, example_inputs, config_patches=self.inductor_options())
 
 
-def _check_device(transformer: nn.Module, config: CompileConfig) -> None:
+def _check_cuda_graphs(transformer: nn.Module, config: CompileConfig) -> None:
     if not config.cuda_graphs:
         return
+    if cache_runner(transformer) is not None:
+        raise SdkilnError(
+            "CompileConfig(cuda_graphs=True) with a cache schedule is not verified yet: the cached residuals "
+            "are outputs of the captured graphs, which a later replay may overwrite; compile without "
+            "cuda_graphs, or use a package without a cache schedule"
+        )
     device = next((p.device for p in transformer.parameters()), torch.device("cpu"))
     if device.type != "cuda":
         raise SdkilnError(
@@ -104,7 +113,7 @@ def compile_transformer(transformer: nn.Module, config: CompileConfig) -> nn.Mod
     """Compile ``transformer`` as ``config`` says; returns the module to call (the same module,
     its blocks compiled in place, when regional). The backend is ``transformer._sdkiln_backend``
     (its match log) when it is sdkiln's."""
-    _check_device(transformer, config)
+    _check_cuda_graphs(transformer, config)
     backend = Backend(config) if config.backend == "sdkiln" else config.backend
     kwargs: dict[str, Any] = {"backend": backend, "fullgraph": config.fullgraph, "dynamic": config.dynamic}
     if config.backend != "sdkiln":

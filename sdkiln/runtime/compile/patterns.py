@@ -94,8 +94,21 @@ def trace_post_grad_form(fn: Callable, args: list, **kwargs) -> torch.fx.GraphMo
     return gm
 
 
-def _recorded(name: str) -> Callable[[Match], bool]:
+def _dtype(node) -> torch.dtype | None:
+    val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    return val.dtype if isinstance(val, torch.Tensor) else None
+
+
+def _recorded(name: str, keeps_dtype_of: str | None) -> Callable[[Match], bool]:
+    """The match check: the replacement returns the dtype of its ``keeps_dtype_of`` input, which
+    must be the matched subgraph's output dtype (bf16 x with fp32 modulation promotes to fp32 in
+    eager diffusers; the fused op would not), then the match is recorded."""
+
     def check(match: Match) -> bool:
+        if keeps_dtype_of is not None and _dtype(match.output_node()) != _dtype(
+            match.kwargs.get(keeps_dtype_of)
+        ):
+            return False
         record = MatchRecord(name, _where(match))
         log.debug("sdkiln.compile: %s matched at %s", record.pattern, record.where)
         if _recorder is not None:
@@ -235,27 +248,28 @@ def _examples(kind: str, dtype: torch.dtype) -> list[torch.Tensor]:
     }[kind]
 
 
-# name -> [(search, replacement, example kind, scalar arguments)]
-PATTERNS: dict[str, list[tuple[Callable, Callable, str, dict]]] = {
+# name -> [(search, replacement, example kind, scalar arguments, input whose dtype the replacement
+# returns (None: the replacement computes the same dtype as the search by construction))]
+PATTERNS: dict[str, list[tuple[Callable, Callable, str, dict, str | None]]] = {
     "rms_norm": [
-        (_rms_norm_torch, _rms_norm_replacement, "row", {"eps": EPS}),
-        (_rms_norm_diffusers, _rms_norm_replacement, "row", {"eps": EPS}),
+        (_rms_norm_torch, _rms_norm_replacement, "row", {"eps": EPS}, "x"),
+        (_rms_norm_diffusers, _rms_norm_replacement, "row", {"eps": EPS}, "x"),
     ],
     "adaln": [
-        (_adaln_dit, _adaln_dit_replacement, "adaln", {"eps": EPS}),
-        (_adaln_wan, _adaln_wan_replacement, "adaln_wan", {"eps": EPS}),
+        (_adaln_dit, _adaln_dit_replacement, "adaln", {"eps": EPS}, "x"),
+        (_adaln_wan, _adaln_wan_replacement, "adaln_wan", {"eps": EPS}, None),
     ],
     "rope": [
-        (_rope_interleaved, _rope_interleaved_replacement, "rope", {}),
-        (_rope_wan, _rope_wan_replacement, "rope_wan", {}),
+        (_rope_interleaved, _rope_interleaved_replacement, "rope", {}, None),
+        (_rope_wan, _rope_wan_replacement, "rope_wan", {}, "x"),
     ],
-    "gelu_tanh": [(_gelu_tanh, _gelu_tanh_replacement, "one", {})],
+    "gelu_tanh": [(_gelu_tanh, _gelu_tanh_replacement, "one", {}, None)],
     "gate_add": [
-        (_gate_add_dit, _gate_add_dit_replacement, "gate", {}),
-        (_gate_add_wan, _gate_add_wan_replacement, "gate_wan", {}),
+        (_gate_add_dit, _gate_add_dit_replacement, "gate", {}, None),
+        (_gate_add_wan, _gate_add_wan_replacement, "gate_wan", {}, None),
     ],
     "norm_quantize": [
-        (*_norm_quantize(q, n), "row" if n == "rms_norm" else "adaln", {"eps": EPS})
+        (*_norm_quantize(q, n), "row" if n == "rms_norm" else "adaln", {"eps": EPS}, None)
         for q in ("quantize_per_token_int8", "fp8_quantize_per_token")
         for n in ("rms_norm", "layer_norm_modulate")
     ],
@@ -271,11 +285,12 @@ def matcher_passes(enabled: tuple[str, ...]) -> tuple[PatternMatcherPass, ...]:
     second = PatternMatcherPass(pass_name="sdkiln_norm_quantize")
     for name in enabled:
         target = second if name == "norm_quantize" else first
-        for search, replace, kind, scalars in PATTERNS[name]:
+        for search, replace, kind, scalars, keeps_dtype_of in PATTERNS[name]:
             for dtype in DTYPES:
                 register_replacement(
                     search, replace, _examples(kind, dtype), trace_post_grad_form, target,
-                    extra_check=_recorded(name), scalar_workaround=scalars or None, skip_duplicates=True,
+                    extra_check=_recorded(name, keeps_dtype_of), scalar_workaround=scalars or None,
+                    skip_duplicates=True,
                 )  # fmt: skip
     return first, second
 
