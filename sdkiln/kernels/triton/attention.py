@@ -23,7 +23,7 @@ from torch.library import triton_op, wrap_triton
 from sdkiln.kernels.ops.attention import check_attention
 from sdkiln.kernels.ops.sparse_attention import check_block_sparse_attention
 from sdkiln.kernels.registry import register_kernel
-from sdkiln.kernels.triton.configs import KERNEL_NAME, attention_config, interpreted
+from sdkiln.kernels.triton.configs import INTERPRET, KERNEL_NAME, attention_config
 from sdkiln.kernels.triton.rounding import rounded
 from sdkiln.kernels.triton.rows import FLOATS
 
@@ -117,7 +117,7 @@ def _launch(
             q, k, v, out, lse, kept_arg, h, sq, sk, kept.shape[-1] if kept is not None else 0, scale * LOG2E,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
-            D=d, DV=dv, SPARSE=kept is not None, FP32_DOT=interpreted() or q.dtype == torch.float32,
+            D=d, DV=dv, SPARSE=kept is not None, FP32_DOT=INTERPRET or q.dtype == torch.float32,
             BLOCK_M=block_m, **config,
         )  # fmt: skip
     return out, lse

@@ -25,10 +25,6 @@ MAX_ROW = 16384
 """The widest row a row kernel holds in registers (one program per row)."""
 
 
-def interpreted() -> bool:
-    return INTERPRET
-
-
 @functools.cache
 def capability() -> tuple[int, int]:
     return torch.cuda.get_device_capability() if torch.cuda.is_available() else (0, 0)
@@ -67,7 +63,7 @@ def gemm_configs(kind: str) -> list[triton.Config]:
     if INTERPRET:
         return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 1})]
     # without a GPU (importing the module to list its kernels) the Ampere list stands in
-    hopper = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
+    hopper = capability() >= (9, 0)
     table = {
         "int8": HOPPER_INT8 if hopper else AMPERE_INT8,
         "half": HOPPER_HALF if hopper else AMPERE_HALF,

@@ -21,7 +21,6 @@ from sdkiln.kernels.triton.rounding import rounded
 from sdkiln.kernels.triton.rows import FLOATS, modulation_rows
 
 FLAT_BLOCK = 1024
-SQRT_2_OVER_PI = 0.7978845608028654
 
 
 @triton.jit

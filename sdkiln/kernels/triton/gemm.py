@@ -33,7 +33,7 @@ from sdkiln.kernels.ops.fp8 import check_fp8_linear
 from sdkiln.kernels.ops.int8 import check_w8a8_linear, check_w8a8_static_linear
 from sdkiln.kernels.ops.weight_only import check_weight_only_linear
 from sdkiln.kernels.registry import register_kernel
-from sdkiln.kernels.triton.configs import KERNEL_NAME, capability, gemm_configs, interpreted
+from sdkiln.kernels.triton.configs import INTERPRET, KERNEL_NAME, capability, gemm_configs
 from sdkiln.kernels.triton.rounding import rounded
 from sdkiln.kernels.triton.rows import FLOATS
 
@@ -145,7 +145,7 @@ def _run(kernel, a, w, xs, ws, bias, out, k, group_size, n_groups, epilogue, w_k
     if m and n:
         wrap_triton(kernel)[_grid(m, n)](
             a, w, xs, ws, bias, out, m, n, k, group_size, n_groups, triton.next_power_of_2(m),
-            EPILOGUE=epilogue, W_KIND=w_kind, HAS_BIAS=has_bias, FP32_DOT=interpreted() or a.dtype == torch.float32, FP8=fp8,
+            EPILOGUE=epilogue, W_KIND=w_kind, HAS_BIAS=has_bias, FP32_DOT=INTERPRET or a.dtype == torch.float32, FP8=fp8,
             enable_fp_fusion=False,
         )  # fmt: skip
 
@@ -254,12 +254,12 @@ def weight_only_linear(
 
 
 def _fp8_fits(*args) -> bool:
-    return interpreted() or capability() >= FP8_MIN_CAPABILITY
+    return INTERPRET or capability() >= FP8_MIN_CAPABILITY
 
 
 def _int8_fits(*args) -> bool:
     """int8 tensor-core MMA (and bf16 outputs) need Ampere or newer."""
-    return interpreted() or capability() >= INT8_MIN_CAPABILITY
+    return INTERPRET or capability() >= INT8_MIN_CAPABILITY
 
 
 register_kernel("w8a8_linear", "cuda", KERNEL_NAME, supports=_int8_fits)(w8a8_linear)

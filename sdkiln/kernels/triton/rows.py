@@ -31,7 +31,6 @@ FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 NORM_NONE, NORM_RMS, NORM_LAYER = 0, 1, 2
 QUANT_NONE, QUANT_INT8, QUANT_FP8 = 0, 1, 2
 QUANT_OF = {torch.int8: QUANT_INT8, torch.float8_e4m3fn: QUANT_FP8}
-ROUND_MAGIC = 12582912.0  # 1.5 * 2**23: (v + M) - M rounds fp32 v to an integer, half to even
 
 
 @triton.jit
