@@ -11,7 +11,7 @@ import torch
 import sdkiln
 from sdkiln.configs import CompileConfig, ParallelConfig
 from sdkiln.errors import PackageError, SdkilnError
-from sdkiln.runtime import restore
+from sdkiln.runtime import loader, restore
 from sdkiln.runtime.package import open_package
 from sdkiln.runtime.quant import QuantLinear
 
@@ -63,6 +63,17 @@ def test_sections_restore_in_their_stages(package):
     assert len(quantized) == len(pipe.sdkiln_manifest["modules"])
     assert pipe.transformer._diffusers_hook.get_hook("sdkiln_cache") is not None
     assert not any(t.is_meta for t in pipe.transformer.state_dict().values())
+
+
+def test_tensors_loaded_on_the_cpu_sit_at_aligned_addresses(package):
+    """The loaded tensors are views of the package's bytes until the device stage; on the CPU those
+    at unaligned addresses are copied, since BLAS kernels may compute other last bits for them
+    (loader.CPU_ALIGNMENT)."""
+    pipe = sdkiln.load(package, device="cpu")
+    modules = [c for c in pipe.components.values() if isinstance(c, torch.nn.Module)]
+    tensors = [t for c in modules for t in [*c.parameters(), *c.buffers()] if t.numel()]
+    assert len(tensors) > 100
+    assert [t.shape for t in tensors if t.data_ptr() % loader.CPU_ALIGNMENT] == []
 
 
 def test_parallel_beyond_one_device_is_refused_and_one_device_is_plain(package):
