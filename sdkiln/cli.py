@@ -46,6 +46,8 @@ SIZE = _bounded(int, 8, 4096)
 GUIDANCE = _bounded(float, 0.0, 100.0)
 SEED = _bounded(int, 0, 2**63 - 1_000_000)  # image i uses seed + i
 SAMPLES = _bounded(int, 1, 10_000)
+DEGREE = _bounded(int, 1, 1024)
+TIMEOUT = _bounded(float, 1.0, 86_400.0)
 
 
 def _text(value: str, what: str) -> str:
@@ -161,8 +163,6 @@ def _save_image(array, path: Path) -> Path:
 
 
 def cmd_run(args) -> int:
-    import torch
-
     from sdkiln.kernels import resolve_device
     from sdkiln.runtime import load
 
@@ -180,7 +180,35 @@ def cmd_run(args) -> int:
         from sdkiln.configs.runtime import CompileConfig
 
         compile_config = CompileConfig(regional=True, cuda_graphs=args.cuda_graphs)
-    pipe = load(args.package, device=device, digest=args.digest, compile=compile_config)
+    parallel = None
+    if args.cfg_parallel or args.ulysses > 1 or args.ring > 1 or "WORLD_SIZE" in os.environ:
+        from sdkiln.configs.runtime import ParallelConfig
+
+        parallel = ParallelConfig(
+            cfg=2 if args.cfg_parallel else 1,
+            ulysses=args.ulysses,
+            ring=args.ring,
+            split_text=args.split_text,
+            timeout_s=args.timeout,
+        )
+    try:
+        pipe = load(
+            args.package, device=device, digest=args.digest, compile=compile_config, parallel=parallel
+        )
+        return _generate(args, pipe, prompts, out_path, parallel)
+    finally:
+        if parallel is not None:
+            from sdkiln.runtime.parallel import shutdown
+
+            shutdown()
+
+
+def _generate(args, pipe, prompts: list[str], out_path: Path, parallel) -> int:
+    """``sdkiln run``'s images from a loaded pipeline; under a parallel layout every rank denoises
+    and rank 0 alone decodes, writes and prints."""
+    import torch
+
+    main = parallel is None or pipe.sdkiln_parallel.mesh.is_main
     call = pipe.sdkiln_manifest["call"]
     kwargs = dict(call["defaults"])
     kwargs["output_type"] = "np"
@@ -193,16 +221,28 @@ def cmd_run(args) -> int:
     for key in ("height", "width"):
         if getattr(args, key) is not None:
             kwargs[key] = getattr(args, key)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
+    if parallel is not None and parallel.cfg == 2 and not kwargs.get(call["guidance_arg"], 0) > 1:
+        raise SdkilnError(
+            f"--cfg-parallel runs the two guidance branches on two ranks; this run's {call['guidance_arg']} is "
+            f"{kwargs.get(call['guidance_arg'])!r}, which runs one: set --guidance above 1 or drop --cfg-parallel"
+        )
+    if not main:
+        kwargs["output_type"] = "latent"  # rank 0 decodes and writes; the others only denoise
+    else:
+        out_path.parent.mkdir(parents=True, exist_ok=True)
     for i, prompt in enumerate(prompts):
         path = out_path if len(prompts) == 1 else out_path.with_name(f"{out_path.stem}-{i}{out_path.suffix}")
         t0 = time.perf_counter()
         with failures_outside_sdkiln(f"generating {path.name}"):
             out = pipe(prompt=prompt, generator=torch.Generator("cpu").manual_seed(args.seed + i), **kwargs)
         elapsed = time.perf_counter() - t0
+        if not main:
+            continue
         _save_image((out.frames if hasattr(out, "frames") else out.images)[0], path)
+        where = "" if parallel is None else f", {pipe.sdkiln_parallel.mesh.describe()}"
         print(
-            f"{path}: {prompt!r}  ({kwargs.get('num_inference_steps')} steps, seed {args.seed + i}, {elapsed:.2f} s)"
+            f"{path}: {prompt!r}  ({kwargs.get('num_inference_steps')} steps, seed {args.seed + i}, "
+            f"{elapsed:.2f} s{where})"
         )
     return 0
 
@@ -368,6 +408,27 @@ def build_parser() -> argparse.ArgumentParser:
     )
     r.add_argument(
         "--cuda-graphs", action="store_true", help="also capture CUDA graphs (implies --compile; CUDA only)"
+    )
+    par = r.add_argument_group(
+        "parallel (launch with torchrun --nproc-per-node N -m sdkiln run ...; the degrees multiply to N; docs/parallel.md)"
+    )
+    par.add_argument(
+        "--cfg-parallel",
+        action="store_true",
+        help="the two guidance branches on two ranks (needs guidance > 1)",
+    )
+    par.add_argument("--ulysses", type=DEGREE, default=1, help="Ulysses degree: heads split by all-to-all")
+    par.add_argument("--ring", type=DEGREE, default=1, help="ring degree: K/V blocks passed around a ring")
+    par.add_argument(
+        "--split-text",
+        action="store_true",
+        help="shard the text tokens of joint attention too (diffusers' plan; default: replicated, exact)",
+    )
+    par.add_argument(
+        "--timeout",
+        type=TIMEOUT,
+        default=600.0,
+        help="seconds a collective may wait for a peer (default 600)",
     )
     r.set_defaults(func=cmd_run)
 

@@ -43,6 +43,11 @@ class DeviceError(SdkilnError):
     """A device was asked for that this machine does not have."""
 
 
+class ParallelError(SdkilnError):
+    """A parallel layout does not fit the launch or the model, or a peer rank failed or stopped
+    answering during a parallel run."""
+
+
 @contextmanager
 def third_party(where: str, what: str, error: type[SdkilnError] = None) -> Iterator[None]:
     """Run another library's parser or constructor on input we were given: any failure of it becomes

@@ -24,13 +24,21 @@ def _from_dict(cls, data: Any):
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """Degrees of the device mesh a package runs on: classifier-free-guidance branches across
-    ``cfg`` ranks, the sequence across ``ulysses`` x ``ring`` ranks; they multiply to the world size."""
+    """Degrees of the device mesh a package runs on (``sdkiln.runtime.parallel``, docs/parallel.md):
+    the classifier-free-guidance branches across ``cfg`` ranks, the sequence across ``ulysses`` x
+    ``ring`` ranks; they multiply to the world size torchrun launched. The mesh puts cfg outermost
+    and Ulysses on adjacent ranks. ``split_text`` shards a joint-attention family's text tokens with
+    its image tokens (diffusers' own ``_cp_plan``) instead of replicating them on every rank, which
+    is exact; ``timeout_s`` bounds every collective, so a rank that died or hangs makes the others
+    fail with an error instead of waiting forever."""
 
     cfg: int = 1
     ulysses: int = 1
     ring: int = 1
-    version: ClassVar[int] = 1
+    split_text: bool = False
+    timeout_s: float = 600.0
+    version: ClassVar[int] = 2
+    """2: split_text and timeout_s."""
 
     def __post_init__(self) -> None:
         for name in ("cfg", "ulysses", "ring"):
@@ -39,6 +47,21 @@ class ParallelConfig:
                 raise SdkilnError(f"ParallelConfig.{name} must be a positive integer, got {value!r}")
         if self.cfg > 2:
             raise SdkilnError(f"ParallelConfig.cfg is 1 or 2 (the guidance branches), got {self.cfg}")
+        if not isinstance(self.split_text, bool):
+            raise SdkilnError(f"ParallelConfig.split_text is a bool, got {self.split_text!r}")
+        if (
+            isinstance(self.timeout_s, bool)
+            or not isinstance(self.timeout_s, int | float)
+            or not 0 < self.timeout_s < 1e6
+        ):
+            raise SdkilnError(
+                f"ParallelConfig.timeout_s is a positive number of seconds, got {self.timeout_s!r}"
+            )
+
+    @property
+    def sequence(self) -> int:
+        """Ranks that share one sequence: ulysses x ring."""
+        return self.ulysses * self.ring
 
     @property
     def world_size(self) -> int:

@@ -56,6 +56,11 @@ class Platform(abc.ABC):
         """Wait for all work queued on the device (a no-op on CPU)."""
 
     @abc.abstractmethod
+    def set_device(self, device: torch.device) -> None:
+        """Make ``device`` this process's current device (before its collectives are set up: nccl
+        and hccl bind a process to the current device); a no-op on CPU."""
+
+    @abc.abstractmethod
     def memory_stats(self) -> dict[str, int]:
         """Bytes in use: ``allocated_bytes``, ``peak_allocated_bytes``, ``reserved_bytes``."""
 
@@ -72,6 +77,9 @@ class CpuPlatform(Platform):
         return torch.device("cpu")
 
     def synchronize(self) -> None:
+        return None
+
+    def set_device(self, device: torch.device) -> None:
         return None
 
     def memory_stats(self) -> dict[str, int]:
@@ -104,6 +112,9 @@ class CudaPlatform(Platform):
     def synchronize(self) -> None:
         torch.cuda.synchronize()
 
+    def set_device(self, device: torch.device) -> None:
+        torch.cuda.set_device(device)
+
     def memory_stats(self) -> dict[str, int]:
         """The caching allocator's counts for the current device."""
         return {
@@ -124,6 +135,9 @@ class NpuPlatform(Platform):
 
     def synchronize(self) -> None:
         self._npu.synchronize()
+
+    def set_device(self, device: torch.device) -> None:
+        self._npu.set_device(device)
 
     def memory_stats(self) -> dict[str, int]:
         """torch_npu's caching allocator counts for the current device."""

@@ -20,7 +20,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from sdkiln.model_zoo.spec import AttentionSite, BlockList, ModelSpec, SmoothFold
+from sdkiln.model_zoo.spec import (
+    AttentionSite,
+    BlockList,
+    ModelSpec,
+    ParallelPlan,
+    SequenceGather,
+    SequenceSplit,
+    SmoothFold,
+)
 
 if TYPE_CHECKING:
     from diffusers import FluxPipeline
@@ -121,6 +129,15 @@ FLUX_ATTENTION = (
     AttentionSite("single_transformer_blocks.*.attn", "FluxAttnProcessor", "dispatch", "first", "first"),
 )
 
+# Sequence parallelism with the text replicated: diffusers' FluxTransformer2DModel._cp_plan without
+# its encoder_hidden_states and txt_ids splits. Every rank embeds the whole text and its shard of the
+# image tokens (and their ids: the RoPE of the joint sequence is computed from the ids); proj_out
+# reads the image stream only, so its output is gathered.
+FLUX_PARALLEL = ParallelPlan(
+    splits=(SequenceSplit("", "hidden_states", 1, 3), SequenceSplit("", "img_ids", 0, 2)),
+    gathers=(SequenceGather("proj_out", 1, 3),),
+)
+
 SPEC = ModelSpec(
     name="flux-tiny",
     description="FLUX.1 architecture (double + single stream MMDiT) at test size with random weights",
@@ -159,4 +176,5 @@ SPEC = ModelSpec(
     calibration_prompts=("a photo of a dog", "a city skyline at night", "a watercolor of a lighthouse"),
     smooth_folds=FLUX_SMOOTH_FOLDS,
     attention=FLUX_ATTENTION,
+    parallel_plan=FLUX_PARALLEL,
 )

@@ -80,6 +80,42 @@ class AttentionSite:
 
 
 @dataclass(frozen=True)
+class SequenceSplit:
+    """Where the parallel runtime shards the sequence: the argument ``name`` of ``module`` (a module
+    name in the transformer, "" for the transformer itself), or with ``output=True`` its output number
+    ``name``, split along ``dim`` when it has ``ndim`` dimensions (diffusers' ``ContextParallelInput``:
+    a tensor of another rank, e.g. Wan2.1's per-sample timestep, is left whole)."""
+
+    module: str
+    name: str | int
+    dim: int
+    ndim: int
+    output: bool = False
+
+
+@dataclass(frozen=True)
+class SequenceGather:
+    """Where the parallel runtime gathers the sequence again: ``module``'s output, along ``dim``, cut
+    back to the length the split input ``length_of`` had (diffusers' ``ContextParallelOutput``)."""
+
+    module: str
+    dim: int
+    ndim: int
+    length_of: str = "hidden_states"
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    """How a family's transformer runs sequence-parallel with its text replicated on every rank:
+    diffusers' ``_cp_plan`` as sdkiln data (``sdkiln.runtime.parallel.sharding``). ``image`` names the
+    split input that is the image or video stream, ``text`` the transformer argument with the text."""
+
+    splits: tuple[SequenceSplit, ...]
+    gathers: tuple[SequenceGather, ...]
+    image: str = "hidden_states"
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     name: str
     description: str
@@ -108,6 +144,9 @@ class ModelSpec:
     """Where the transformer's attention runs, for the attention seam; empty: not routable."""
     text_arg: str = "encoder_hidden_states"
     """The transformer's forward argument that holds the text tokens (its length is the text count)."""
+    parallel_plan: ParallelPlan | None = None
+    """Where the sequence is split and gathered for Ulysses and ring attention with replicated text;
+    None: the family runs CFG-parallel only. Split text uses the diffusers class's own ``_cp_plan``."""
 
     def is_float_layer(self, name: str) -> bool:
         return any(fnmatch.fnmatchcase(name, pattern) for pattern in self.float_layers)

@@ -15,7 +15,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from sdkiln.model_zoo.spec import AttentionSite, BlockList, ModelSpec
+from sdkiln.model_zoo.spec import (
+    AttentionSite,
+    BlockList,
+    ModelSpec,
+    ParallelPlan,
+    SequenceGather,
+    SequenceSplit,
+)
 
 if TYPE_CHECKING:
     from diffusers import WanPipeline
@@ -103,5 +110,17 @@ SPEC = ModelSpec(
     attention=(
         AttentionSite("blocks.*.attn1", "WanAttnProcessor", "dispatch", "none", "none"),
         AttentionSite("blocks.*.attn2", "WanAttnProcessor", "dispatch", "none", "all"),
+    ),
+    # diffusers' WanTransformer3DModel._cp_plan as data: the video tokens are split after the patch
+    # embedding (at the first block) with their RoPE tables, and a per-token timestep (Wan2.2's
+    # [B, S]) with them; the text is only ever keys of the cross-attention, so it stays whole.
+    parallel_plan=ParallelPlan(
+        splits=(
+            SequenceSplit("rope", 0, 1, 4, output=True),
+            SequenceSplit("rope", 1, 1, 4, output=True),
+            SequenceSplit("blocks.0", "hidden_states", 1, 3),
+            SequenceSplit("", "timestep", 1, 2),
+        ),
+        gathers=(SequenceGather("proj_out", 1, 3),),
     ),
 )

@@ -9,7 +9,8 @@
 5. **assemble**: the other components with their own ``from_pretrained``, into the pipeline class
    the manifest names (from diffusers or sdkiln's model zoo, nowhere else);
 6. **restore sections**: each section's ``attach`` handler (step tracker, cache schedule, ...);
-7. **parallel**: the device mesh of ``parallel`` (``ParallelConfig``);
+7. **parallel**: the device mesh of ``parallel`` (``ParallelConfig``): the process group, the
+   sequence split of the family's plan, the attention route, CFG parallel (``runtime.parallel``);
 8. **device**: the device's kernels (``kernels.load_device_kernels``), then the pipeline moves there
    (on the CPU, tensors left at unaligned addresses of the package's bytes get aligned storage);
 9. **compile**: the transformer, or its repeated blocks, compiled (``CompileConfig``; sdkiln's
@@ -29,7 +30,7 @@ from torch import nn
 
 from sdkiln import kernels
 from sdkiln.configs.runtime import CompileConfig, ParallelConfig
-from sdkiln.errors import PackageError, SdkilnError, third_party
+from sdkiln.errors import PackageError, ParallelError, third_party
 from sdkiln.runtime import restore
 from sdkiln.runtime.components import (
     assemble,
@@ -108,12 +109,17 @@ def _assemble(pkg: Package, transformer: nn.Module):
     return pipe
 
 
-def _parallel(ctx: restore.RestoreContext, parallel: ParallelConfig | None) -> None:
-    if parallel is not None and parallel.world_size > 1:
-        raise SdkilnError(
-            f"parallel={parallel}: this sdkiln runs a package on one device; the parallel runtime "
-            "(CFG, Ulysses and ring attention over torch.distributed) is not part of it yet"
-        )
+def _parallel(
+    ctx: restore.RestoreContext, parallel: ParallelConfig | None, target: torch.device
+) -> torch.device:
+    """The device mesh (``runtime.parallel``); returns this rank's device (``cuda`` -> ``cuda:LOCAL_RANK``)."""
+    if parallel is None:
+        return target
+    from sdkiln.model_zoo import get_spec
+    from sdkiln.runtime.parallel import enable_parallel
+
+    spec = get_spec(ctx.package.manifest["model"]["family"])
+    return enable_parallel(ctx.pipeline, ctx.transformer, spec, parallel, target).mesh.device
 
 
 CPU_ALIGNMENT = 64
@@ -141,6 +147,26 @@ def _align_on_cpu(pipeline: Any) -> None:
                         tensor.data = tensor.data.clone()
 
 
+def _check_parallel_compile(parallel: ParallelConfig | None, compile: CompileConfig | None) -> None:
+    """The parallel layouts ``compile`` is verified with, checked before any work: CFG parallel
+    (its exchange runs in the outermost hook, outside the compiled region) but not yet sequence
+    parallelism, whose attention backend breaks the compiled graph inside the routed diffusers
+    processors, which torch.compile does not run correctly yet (docs/parallel.md), nor CUDA graphs
+    across ranks, which no GPU has verified."""
+    if parallel is None or compile is None:
+        return
+    if parallel.sequence > 1:
+        raise ParallelError(
+            f"compile with ulysses {parallel.ulysses} x ring {parallel.ring} is not supported yet: the "
+            "sequence-parallel attention breaks the compiled graph inside the routed attention processors; "
+            "run sequence parallelism without compile, or compile with CFG parallel alone"
+        )
+    if compile.cuda_graphs and parallel.world_size > 1:
+        raise ParallelError(
+            "CompileConfig(cuda_graphs=True) on several ranks is not verified yet; turn cuda_graphs off"
+        )
+
+
 def _compile(ctx: restore.RestoreContext, compile: CompileConfig | None) -> None:
     if compile is not None:
         from sdkiln.runtime.compile import compile_transformer
@@ -165,6 +191,7 @@ def load(
     ``digest="sha256:..."`` a package whose digest differs is refused before anything is read
     (``sdkiln inspect`` prints it). The order of the work is the module docstring's.
     """
+    _check_parallel_compile(parallel, compile)
     target = kernels.resolve_device(device)
     pkg = open_package(path, digest=digest)
     sections = restore.sections_of(pkg.manifest)
@@ -173,7 +200,7 @@ def load(
     load_weights(pkg, ctx.transformer)
     ctx.pipeline = _assemble(pkg, ctx.transformer)
     restore.run_stage("attach", sections, ctx)
-    _parallel(ctx, parallel)
+    target = _parallel(ctx, parallel, target)
     kernels.load_device_kernels(target.type)
     ctx.pipeline.to(target)
     if target.type == "cpu":

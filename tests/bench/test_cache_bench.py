@@ -60,9 +60,9 @@ def test_uncached_count_is_blocks_x_steps_x_calls(report):
     json.dumps(report, allow_nan=False)
     ref = report["steps"][str(STEPS)]["uncached"]
     assert ref["num_blocks"] == 6  # 2 double-stream + 4 single-stream blocks
-    assert ref["transformer_calls"] == STEPS  # one batch, both CFG halves in one call
-    assert ref["block_evaluations"] == 6 * STEPS
-    assert ref["block_rows"] == 6 * STEPS * 2 * 2  # 2 samples x 2 CFG halves per call
+    assert ref["transformer_calls"] == 2 * STEPS  # one batch, one call per CFG branch
+    assert ref["block_evaluations"] == 6 * 2 * STEPS
+    assert ref["block_rows"] == 6 * 2 * STEPS * 2  # 2 calls of 2 samples per step
     assert ref["attention_rows"] == ref["block_rows"]
 
 

@@ -36,16 +36,18 @@ def test_guard_bench_reports_every_condition_and_counts_exactly():
     assert [(r["condition"], r["variant"]) for r in rows] == [
         (c, v) for c in ("usual", "guidance=8", "other prompts") for v in ("schedule", "schedule+guard")
     ]
-    (actions,) = report["schedule"]["actions"].values()  # fmnist-flux runs both CFG rows in one call
+    (actions,) = report["schedule"]["actions"].values()  # one list serves both CFG branches
     reuse = [a for a in actions if a != "full"]
-    (thresholds,) = report["schedule"]["guards"]["thresholds"].values()  # one list serves the call
-    assert [t is not None for t in thresholds] == [a != "full" for a in actions]
+    thresholds = report["schedule"]["guards"]["thresholds"]
+    assert sorted(thresholds) == ["cond", "uncond"]  # fmnist-flux calls the transformer once per branch
+    for branch in thresholds.values():
+        assert [t is not None for t in branch] == [a != "full" for a in actions]
     planned = sum(blocks(a) for a in actions) / (STEPS * BLOCKS)
     most_extra = max((BLOCKS - blocks(a) for a in reuse), default=0) / (STEPS * BLOCKS)
     for plain, guarded in zip(rows[::2], rows[1::2], strict=True):
         assert plain["block_evaluations_ratio"] == planned
         assert plain["guard_checks"] == 0 and plain["guard_forced"] == 0
-        assert guarded["guard_checks"] == len(reuse)
+        assert guarded["guard_checks"] == 2 * len(reuse)  # one check per branch
         extra = guarded["block_evaluations_ratio"] - planned
         assert (extra > 0) == (guarded["guard_forced"] > 0)
         assert extra <= guarded["guard_forced"] * most_extra + 1e-12

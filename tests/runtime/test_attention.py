@@ -86,7 +86,7 @@ def test_diffusers_parallel_config_reaches_the_backend(flux_tiny):
         marker = object()
         for module, _ in route.routed.values():
             module.processor._parallel_config = marker
-        with pytest.raises(SdkilnError, match="context parallelism is on"):
+        with pytest.raises(SdkilnError, match="sequence is sharded across devices"):
             generate(pipe, spec.call_kwargs(), ["a photo of a cat"], [0])
     finally:
         unroute_attention(pipe.transformer)

@@ -3,8 +3,8 @@
 Components: ``transformer`` (a small ``FluxTransformer2DModel``), ``text_encoder`` (``BertModel``,
 all-MiniLM-L6-v2), ``tokenizer`` (``BertTokenizerFast``) and ``scheduler``
 (``FlowMatchEulerDiscreteScheduler``). The sampling loop is FluxPipeline's with true
-classifier-free guidance: the conditional and unconditional halves go through the transformer as
-one batch. Images are the 32x32 canvas the model is trained on (the 28x28 Fashion-MNIST image
+classifier-free guidance: the conditional and unconditional branches go through the transformer
+as two calls, each in its own cache context (``"cond"``, ``"uncond"``), like diffusers' FLUX. Images are the 32x32 canvas the model is trained on (the 28x28 Fashion-MNIST image
 centred on a black border); the metric classifier accepts the canvas as returned.
 """
 
@@ -145,25 +145,33 @@ class FmnistFluxPipeline(DiffusionPipeline):
 
         with self.progress_bar(total=num_inference_steps) as progress_bar:
             for i, t in enumerate(timesteps):
-                model_input = torch.cat([latents, latents]) if do_cfg else latents
-                timestep = (t / 1000).expand(model_input.shape[0]).to(latents.dtype)
-                # one context for the batched CFG call, so diffusers' cache hooks (and sdkiln's) key
-                # their state per call type and know the step
-                with self.transformer.cache_context(
-                    "cond_uncond" if do_cfg else "cond", step_index=i, num_inference_steps=len(timesteps)
-                ):
-                    noise_pred = self.transformer(
-                        hidden_states=model_input,
-                        timestep=timestep,
-                        pooled_projections=pooled,
-                        encoder_hidden_states=states,
-                        txt_ids=txt_ids,
-                        img_ids=img_ids,
-                        return_dict=False,
-                    )[0]
+                timestep = (t / 1000).expand(batch).to(latents.dtype)
+                branches = [("cond", slice(0, batch))]
                 if do_cfg:
-                    cond, uncond = noise_pred.chunk(2)
-                    noise_pred = uncond + guidance_scale * (cond - uncond)
+                    branches.append(("uncond", slice(batch, 2 * batch)))
+                predictions = []
+                for name, rows in branches:
+                    # one call per branch in its own cache context, as diffusers' FLUX and Wan
+                    # pipelines call theirs: the cache hooks (diffusers' and sdkiln's) keep one state
+                    # per branch, and CFG parallel gives each branch to one rank with the very
+                    # shapes this single-device loop uses
+                    with self.transformer.cache_context(
+                        name, step_index=i, num_inference_steps=len(timesteps)
+                    ):
+                        predictions.append(
+                            self.transformer(
+                                hidden_states=latents,
+                                timestep=timestep,
+                                pooled_projections=pooled[rows],
+                                encoder_hidden_states=states[rows],
+                                txt_ids=txt_ids,
+                                img_ids=img_ids,
+                                return_dict=False,
+                            )[0]
+                        )
+                noise_pred = predictions[0]
+                if do_cfg:
+                    noise_pred = predictions[1] + guidance_scale * (predictions[0] - predictions[1])
                 latents = self.scheduler.step(noise_pred, t, latents, return_dict=False)[0]
 
                 if callback_on_step_end is not None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sdkiln.model_zoo.flux import FLUX_ATTENTION
+from sdkiln.model_zoo.flux import FLUX_ATTENTION, FLUX_PARALLEL
 from sdkiln.model_zoo.fmnist.data import CLASS_NAMES
 from sdkiln.model_zoo.fmnist.metrics import fmnist_metrics
 from sdkiln.model_zoo.fmnist.pipeline import DEFAULT_GUIDANCE, FmnistFluxPipeline
@@ -43,4 +43,5 @@ SPEC = ModelSpec(
     calibration_prompts=tuple(cap for caps in CAPTIONS for cap in caps[1:]),
     metrics=fmnist_metrics,
     attention=FLUX_ATTENTION,
+    parallel_plan=FLUX_PARALLEL,
 )

@@ -49,6 +49,12 @@ class AttentionCall:
     key_text: TokenSpan
     parallel_config: Any = None
     """diffusers' ``ParallelConfig`` when its context parallelism sharded this call's sequence."""
+    native: Callable[..., Tensor] | None = None
+    """``native(q, k, v, attn_mask=None, scale=None)``: attention as the unrouted diffusers processor
+    computes it ([B, S, H, D]), so a backend can compute (part of) the call exactly as one device does."""
+    sequence: Any = None
+    """sdkiln's sequence-parallel layout (``sdkiln.runtime.parallel``) when the parallel runtime
+    sharded this call's sequence."""
 
 
 Backend = Callable[[AttentionCall], Tensor]
@@ -74,10 +80,11 @@ def backend(name: str) -> Backend:
 @register_backend("sdkiln")
 def dense(call: AttentionCall) -> torch.Tensor:
     """``sdkiln::attention`` over the whole sequence on one device."""
-    if call.parallel_config is not None:
+    if call.parallel_config is not None or call.sequence is not None:
         raise SdkilnError(
-            f"{call.name}: diffusers' context parallelism is on, and the sdkiln attention backend runs on "
-            "one device; the parallel runtime is not part of this sdkiln yet"
+            f"{call.name}: this call's sequence is sharded across devices (diffusers' enable_parallelism or "
+            "sdkiln's parallel runtime), and the 'sdkiln' attention backend attends over one device's "
+            "tokens; load with sdkiln.load(..., parallel=ParallelConfig(...)) instead (docs/parallel.md)"
         )
     out, _ = kernels.attention(call.query, call.key, call.value, call.mask, call.scale)
     return out

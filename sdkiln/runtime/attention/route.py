@@ -62,6 +62,12 @@ class AttentionRoute:
         params = list(inspect.signature(transformer.forward).parameters)
         self._text_position = params.index(text_arg) if text_arg in params else None
         self.text_tokens = 0
+        self.sequence: Any = None
+        """The parallel runtime's sequence layout when the transformer runs sequence-parallel
+        (``sdkiln.runtime.parallel``); the backend reads it from the call."""
+        self.originals: dict[str, Any] = {}
+        """Site call kind -> what the unrouted processor calls (diffusers' ``dispatch_attention_fn``,
+        ``torch.nn.functional``), for a backend that computes part of a call as diffusers would."""
         self.routed: dict[str, tuple[nn.Module, Any]] = {}
         """Module name -> (the attention module, its original processor)."""
         self._handle = None
@@ -80,10 +86,14 @@ class AttentionRoute:
         if attn_mask is not None and attn_mask.ndim == 2:  # [B, Sk]: keys to attend, as diffusers reads it
             attn_mask = attn_mask[:, None, None, :]
         text = self.text_tokens
+        if site.call == "dispatch":
+            native = functools.partial(self.originals["dispatch"], backend=backend)
+        else:
+            native = functools.partial(_native_sdpa, self.originals["sdpa"])
         call = AttentionCall(
             site, name, query, key, value, attn_mask, scale,
             _span(site.query_text, query.shape[1], text), _span(site.key_text, key.shape[1], text),
-            parallel_config,
+            parallel_config, native, self.sequence,
         )  # fmt: skip
         return self.backend(call)
 
@@ -94,6 +104,14 @@ class AttentionRoute:
         return self.dispatch(
             site, name, q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa
         ).transpose(1, 2)
+
+
+def _native_sdpa(functional, q, k, v, attn_mask=None, scale=None):
+    """SDPA as the unrouted processor calls it, on [B, S, H, D] tensors."""
+    out = functional.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=attn_mask, scale=scale
+    )
+    return out.transpose(1, 2)
 
 
 class _Functional:
@@ -116,6 +134,7 @@ def _routed_processor(processor: Any, site, name: str, route: AttentionRoute) ->
             f"{name}: {cls.__name__}.__call__ does not call {callee} itself in this diffusers version; "
             "the attention seam cannot route it (update the family's AttentionSite)"
         )
+    route.originals.setdefault(site.call, call.__globals__[callee])
     bound = functools.partial(route.dispatch if site.call == "dispatch" else route.sdpa, site, name)
     namespace = dict(call.__globals__)
     namespace[callee] = bound if site.call == "dispatch" else _Functional(bound)

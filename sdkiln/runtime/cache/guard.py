@@ -13,8 +13,10 @@ times a margin. The schedule stores them per branch and step; a step without one
 
 The decision needs the indicator on the host, so a guarded schedule syncs once per reuse step (an
 unguarded one never does). Under ``torch.distributed`` the decision is reduced across ranks (max:
-one rank forcing forces all), so that every rank runs the same blocks at the same step, as the
-parallel runtime needs.
+one rank forcing forces all), so that every rank runs the same blocks at the same step. Under the
+parallel runtime the indicator is computed on the whole sequence (gathered from the sequence
+ranks, padding cut) and the reduction joins only the ranks that run the call
+(``sdkiln.runtime.parallel``): every rank decides from the same numbers.
 """
 
 from __future__ import annotations
@@ -35,13 +37,17 @@ def input_change(current: torch.Tensor, reference: torch.Tensor) -> torch.Tensor
     return (c - r).abs().sum(1) / r.abs().sum(1).clamp_min(1e-12)
 
 
-def agree(force: bool, device: torch.device) -> bool:
-    """Whether any rank forces a compute (every rank gets the same answer); the flag itself outside
-    ``torch.distributed``."""
-    if not (dist.is_available() and dist.is_initialized()):
+WORLD = "world"
+
+
+def agree(force: bool, device: torch.device, group: Any = WORLD) -> bool:
+    """Whether any rank of ``group`` forces a compute (each of them gets the same answer): the
+    default process group by default; the flag itself for ``group=None`` (this rank alone) and
+    outside ``torch.distributed``."""
+    if group is None or not (dist.is_available() and dist.is_initialized()):
         return force
     flag = torch.tensor([int(force)], device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=None if group == WORLD else group)
     return bool(flag.item())
 
 

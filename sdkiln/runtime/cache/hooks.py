@@ -43,7 +43,7 @@ from diffusers.hooks.hooks import BaseState, StateManager
 from torch import nn
 
 from sdkiln.errors import StepError
-from sdkiln.runtime.cache.guard import Guard, agree, input_change
+from sdkiln.runtime.cache.guard import WORLD, Guard, agree, input_change
 from sdkiln.runtime.cache.schedule import BATCHED, FULL, Action, CacheSchedule
 from sdkiln.runtime.denoising import (
     attach_step_tracker,
@@ -51,6 +51,7 @@ from sdkiln.runtime.denoising import (
     needs_step_tracker,
     step_tracker,
 )
+from sdkiln.runtime.parallel.apply import parallel_runtime
 
 MODEL_HOOK = "sdkiln_cache"
 BLOCK_HOOK = "sdkiln_cache_block"
@@ -216,16 +217,21 @@ class CacheRunner:
         """The guard at the stack input: a reuse step whose input changed unusually runs full (and
         refreshes the caches). It reads the device, so it runs outside any compiled graph."""
         guard = self._run_guard
+        parallel = parallel_runtime(self.transformer)
+        if parallel is not None:
+            stream = parallel.whole_sequence(stream)
         if action != FULL:
             if guard.record:
                 guard.observe(self._step, self._branch, input_change(stream, state.guard_input))
             else:
                 limit = guard.threshold(self._step, self._branch)
                 self.guard_checks += limit is not None
-                # every rank reaches this at every reuse step (the actions are shared), so all join the reduction
+                # every rank that runs this call reaches this at every reuse step (the actions are
+                # shared), so all of them join the reduction
                 force = agree(
                     limit is not None and bool(input_change(stream, state.guard_input).max() > limit),
                     stream.device,
+                    WORLD if parallel is None else parallel.call_group,
                 )
                 if force:
                     self.guard_forced += 1
@@ -366,6 +372,11 @@ def attach_cache(
     transformer = _unwrapped(getattr(pipeline, transformer_attr))
     if cache_runner(transformer) is not None:
         raise StepError("this transformer already follows a cache schedule; detach_cache(transformer) first")
+    if parallel_runtime(transformer) is not None:
+        raise StepError(
+            "this transformer runs on a device mesh: a cache schedule attaches before the parallel runtime "
+            "(sdkiln.load restores a package's schedule first), so that its hooks see this rank's shard"
+        )
     runner = CacheRunner(pipeline, transformer, schedule, guard)
     runner.owns_tracker = step_tracker(transformer) is None
     tracker = attach_step_tracker(pipeline, transformer_attr)
