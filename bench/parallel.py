@@ -4,7 +4,8 @@ plainly, through the parallel hooks at world size 1, and in 2-rank layouts, side
 * **Overhead at world size 1**: ``sdkiln.load(pkg)`` against ``sdkiln.load(pkg,
   parallel=ParallelConfig())``, which puts the parallel hook on the transformer and, under torchrun,
   joins a process group of one (``torchrun --nproc-per-node 1 bench/parallel.py --device cuda`` is
-  the nccl smoke run on one GPU). Per step: the run's median time over its step count.
+  the nccl smoke run on one GPU). Per step: the run's median time over its step count, the median
+  of ``--rounds`` measurements of each, taken in alternating order.
 * **Layouts** (CPU only: forked processes over gloo, one torch thread each, so two ranks use two
   cores where the plain run uses one): CFG parallel, Ulysses and ring on 2 ranks; speedup is the
   plain run's time over rank 0's. A tiny model's step is milliseconds, so these figures show the
@@ -96,21 +97,26 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             sdkiln.optimize(model, "none", package, eval_samples=0)
             plain, steps = _runner(package, args.device, None)
             wrapped, _ = _runner(package, args.device, ParallelConfig())
-            base, _ = clock.measure(plain, [()])
-            world1, _ = clock.measure(wrapped, [()])
+            times: dict[str, list[float]] = {"plain": [], "world1": []}
+            for i in range(args.rounds):  # alternating order: neither run always goes first
+                order = (("plain", plain), ("world1", wrapped))
+                for name, fn in order if i % 2 == 0 else order[::-1]:
+                    times[name].append(clock.measure(fn, [()])[0]["ms"])
+            base_ms, world1_ms = (statistics.median(times[k]) for k in ("plain", "world1"))
             row = {
                 "model": model,
                 "steps": steps,
-                "plain_ms_per_step": base["ms"] / steps,
-                "world1_ms_per_step": world1["ms"] / steps,
-                "world1_overhead": world1["ms"] / base["ms"] - 1.0,
+                "plain_ms_per_step": base_ms / steps,
+                "world1_ms_per_step": world1_ms / steps,
+                "world1_overhead": world1_ms / base_ms - 1.0,
+                "rounds_ms": times,
                 "layouts": {},
             }
             if device.type == "cpu" and "WORLD_SIZE" not in os.environ:
                 for name in args.layouts:
                     got = _two_ranks(package, LAYOUTS[name], args.repeats)
                     if "ms" in got:
-                        got = {"ms_per_step": got["ms"] / steps, "speedup": base["ms"] / got["ms"]}
+                        got = {"ms_per_step": got["ms"] / steps, "speedup": base_ms / got["ms"]}
                     row["layouts"][name] = got
             rows.append(row)
             print(f"{model}: done", file=sys.stderr)
@@ -148,11 +154,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--models", nargs="+", default=["fmnist-flux", "flux-tiny", "wan-tiny"])
     parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--rounds", type=int, default=4, help="plain and world-1 measurements, alternating which goes first"
+    )
     parser.add_argument("--quick", action="store_true", help="one model, 3 repeats")
     report_arguments(parser, "parallel")
     args = parser.parse_args(argv)
     if args.quick:
-        args.models, args.repeats = args.models[:1], 3
+        args.models, args.repeats, args.rounds = args.models[:1], 3, 2
     return run_or_show_table(args, argv, "parallel", lambda: run(args), table)
 
 

@@ -1,0 +1,42 @@
+"""bench/parallel.py on CPU at its smallest setting, in-process: one model, one 2-rank layout.
+
+What is checked: the JSON is standard and names the device and the thread count; the world-size-1
+overhead is the ratio of the medians of the rounds it records (two, alternating which run goes
+first); the layout's figures come from a run of both ranks, which raised nothing.
+"""
+
+import importlib.util
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import pytest
+
+_BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+def _load(name: str, file: str):
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, _BENCH / file)
+        sys.modules[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[name])
+    return sys.modules[name]
+
+
+pbench = _load("bench_parallel", "parallel.py")
+
+
+def test_parallel_bench_reports_the_world_one_overhead_and_a_two_rank_layout(tmp_path):
+    out = tmp_path / "parallel.json"
+    report = pbench.main(["--quick", "--models", "wan-tiny", "--layouts", "ulysses2", "--out", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(report, allow_nan=False))
+    assert report["device"]["kind"] == "cpu" and report["device"]["torch_threads"] >= 1
+    [row] = report["rows"]
+    assert (row["model"], row["steps"]) == ("wan-tiny", 4)
+    plain, world1 = row["rounds_ms"]["plain"], row["rounds_ms"]["world1"]
+    assert len(plain) == len(world1) == 2 and min(plain + world1) > 0
+    assert row["world1_overhead"] == pytest.approx(statistics.median(world1) / statistics.median(plain) - 1)
+    layout = row["layouts"]["ulysses2"]
+    assert "error" not in layout, layout
+    assert layout["speedup"] == pytest.approx(row["plain_ms_per_step"] / layout["ms_per_step"])
