@@ -5,7 +5,8 @@ plainly, through the parallel hooks at world size 1, and in 2-rank layouts, side
   parallel=ParallelConfig())``, which puts the parallel hook on the transformer and, under torchrun,
   joins a process group of one (``torchrun --nproc-per-node 1 bench/parallel.py --device cuda`` is
   the nccl smoke run on one GPU). Per step: the run's median time over its step count, the median
-  of ``--rounds`` measurements of each, taken in alternating order.
+  of ``--rounds`` measurements of each, taken in alternating order; and the hook alone, per call,
+  on a module that returns its input (``hook_us_per_call``).
 * **Layouts** (CPU only: forked processes over gloo, one torch thread each, so two ranks use two
   cores where the plain run uses one): CFG parallel, Ulysses and ring on 2 ranks; speedup is the
   plain run's time over rank 0's. A tiny model's step is milliseconds, so these figures show the
@@ -86,6 +87,36 @@ def _two_ranks(package: Path, layout: dict, repeats: int) -> dict[str, Any]:
     return {"error": error} if error else {"ms": ms}
 
 
+class _Identity(torch.nn.Module):
+    def forward(self, hidden_states, return_dict=False):
+        return (hidden_states,)
+
+
+def _hook_us(device: torch.device, calls: int = 20_000, rounds: int = 5) -> dict[str, float]:
+    """Microseconds per call of a module that returns its input, bare and under the parallel
+    hook at world size 1: what the hook itself costs per transformer call (the end-to-end runs of
+    tiny models vary by more than that from run to run). Medians of ``rounds`` alternating rounds."""
+    from diffusers.hooks import HookRegistry
+
+    from sdkiln.runtime.parallel.cfg import HOOK, ParallelHook
+    from sdkiln.runtime.parallel.mesh import init_mesh
+
+    bare, hooked = _Identity(), _Identity()
+    mesh = init_mesh(ParallelConfig(), device)
+    HookRegistry.check_if_exists_or_initialize(hooked).register_hook(ParallelHook(mesh, None), HOOK)
+    x = torch.zeros(1, device=device)
+    times: dict[str, list[float]] = {"bare": [], "hooked": []}
+    for i in range(rounds):
+        order = (("bare", bare), ("hooked", hooked))
+        for name, module in order if i % 2 == 0 else order[::-1]:
+            start = time.perf_counter()
+            for _ in range(calls):
+                module(hidden_states=x)
+            times[name].append((time.perf_counter() - start) / calls * 1e6)
+    us = {name: statistics.median(values) for name, values in times.items()}
+    return us | {"overhead": us["hooked"] - us["bare"]}
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     device = torch.device(args.device)
     info = announce(device, torch.float32, "tiny models: fixed costs of the runtime, not large-model gains")
@@ -124,6 +155,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "benchmark": "parallel runtime: world-size-1 overhead and 2-rank layouts (bench/parallel.py)",
         "device": info,
         "method": clock.describe() | {"layouts": "2 forked ranks over gloo, 1 warm-up + median of repeats"},
+        "hook_us_per_call": _hook_us(device),
         "rows": rows,
     }
 
@@ -145,7 +177,10 @@ def table(report: dict[str, Any]) -> str:
             got = row["layouts"].get(name, {})
             cells.append(f"{got['speedup']:.2f}x" if "speedup" in got else got.get("error", "-"))
         lines.append(cells)
-    return "\n".join(align(lines))
+    hook = report["hook_us_per_call"]["overhead"]
+    return "\n".join(
+        [*align(lines), f"the parallel hook alone, world size 1: {hook:.2f} us per transformer call"]
+    )
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
