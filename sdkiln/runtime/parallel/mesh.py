@@ -157,7 +157,8 @@ def init_mesh(config: ParallelConfig, device: torch.device) -> Mesh:
     timeout = datetime.timedelta(seconds=config.timeout_s)
     global _OWNED
     if owns:
-        current_platform().set_device(device)
+        if device.type != "cpu":  # a CPU run on an accelerator's machine leaves its current device alone
+            current_platform().set_device(device)
         backend = platform_class(device.type).dist_backend
         dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
         _OWNED = True
