@@ -103,7 +103,7 @@ def _hook_us(device: torch.device, calls: int = 20_000, rounds: int = 5) -> dict
 
     bare, hooked = _Identity(), _Identity()
     mesh = init_mesh(ParallelConfig(), device)
-    HookRegistry.check_if_exists_or_initialize(hooked).register_hook(ParallelHook(mesh, None), HOOK)
+    HookRegistry.check_if_exists_or_initialize(hooked).register_hook(ParallelHook(mesh), HOOK)
     x = torch.zeros(1, device=device)
     times: dict[str, list[float]] = {"bare": [], "hooked": []}
     for i in range(rounds):

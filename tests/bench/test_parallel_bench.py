@@ -8,23 +8,15 @@ first), and the hook alone costs something per call; the layout's figures come f
 import importlib.util
 import json
 import statistics
-import sys
 from pathlib import Path
 
 import pytest
 
-_BENCH = Path(__file__).resolve().parents[2] / "bench"
-
-
-def _load(name: str, file: str):
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, _BENCH / file)
-        sys.modules[name] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(sys.modules[name])
-    return sys.modules[name]
-
-
-pbench = _load("bench_parallel", "parallel.py")
+_spec = importlib.util.spec_from_file_location(
+    "bench_parallel", Path(__file__).resolve().parents[2] / "bench" / "parallel.py"
+)
+pbench = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(pbench)
 
 
 def test_parallel_bench_reports_the_world_one_overhead_and_a_two_rank_layout(tmp_path):

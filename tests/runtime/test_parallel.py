@@ -43,11 +43,11 @@ HANG_S = 15.0
 
 @pytest.fixture(scope="module")
 def packages(tmp_path_factory) -> dict[str, Path]:
-    """Float packages of the three families, a quantized + cached package with a guard, and the
+    """Float packages of the four families, a quantized + cached package with a guard, and the
     schema-1 fixture (every scheme and a cache schedule)."""
     root = tmp_path_factory.mktemp("parallel")
     out = {"fixture": FIXTURE}
-    for name in ("fmnist-flux", "flux-tiny", "wan-tiny"):
+    for name in ("fmnist-flux", "flux-tiny", "wan-tiny", "sd3-tiny"):
         sdkiln.optimize(name, "none", root / name, eval_samples=0)
         out[name] = root / name
     sdkiln.optimize("flux-tiny", "w8a8-dynamic+cache-safe", root / "guarded", eval_samples=0)
@@ -184,6 +184,7 @@ def test_two_ranks_cfg_ulysses_ring_and_split_text_match_one_device(packages):
             (packages["flux-tiny"], ParallelConfig(ulysses=2, split_text=True), None, CLOSE_DB),
             (packages["flux-tiny"], uly, odd_flux, CLOSE_DB),
             (packages["wan-tiny"], cfg, None, EXACT),
+            (packages["sd3-tiny"], cfg, None, CLOSE_DB),  # SD3 batches both branches: the batch is halved
             (packages["wan-tiny"], uly, None, EXACT),
             (packages["wan-tiny"], ring, odd_wan, CLOSE_DB),
             (packages["fixture"], uly, None, EXACT),

@@ -38,6 +38,7 @@ def input_change(current: torch.Tensor, reference: torch.Tensor) -> torch.Tensor
 
 
 WORLD = "world"
+"""``agree``'s default group: the default process group, whichever it is when the guard decides."""
 
 
 def agree(force: bool, device: torch.device, group: Any = WORLD) -> bool:

@@ -11,7 +11,7 @@ cache guard can reach it (``parallel_runtime``): its decision is taken on the wh
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -40,7 +40,6 @@ class ParallelRuntime:
     mesh: Mesh
     layout: SequenceLayout | None
     hook: ParallelHook
-    registered: list[tuple[nn.Module, str]] = field(default_factory=list)
 
     @property
     def call_group(self):
@@ -95,18 +94,16 @@ def enable_parallel(
             unroute_attention(transformer)
         raise
     layout = None
-    registered: list[tuple[nn.Module, str]] = []
     if route is not None:
         layout = SequenceLayout(mesh, config.split_text, spec.parallel_plan.image, spec.text_arg)
         route.sequence = layout
-        registered = apply_plan(transformer, plan, lengths, layout)
-    hook = ParallelHook(mesh, mesh.sequence_group)
+        apply_plan(transformer, plan, lengths, layout)
+    hook = ParallelHook(mesh)
     registry = HookRegistry.check_if_exists_or_initialize(transformer)
     registry.register_hook(hook, HOOK)
-    registered.append((transformer, HOOK))
     if hasattr(registry, "invalidate_child_registries_cache"):  # so cache_context reaches the hook
         registry.invalidate_child_registries_cache()
-    runtime = ParallelRuntime(mesh, layout, hook, registered)
+    runtime = ParallelRuntime(mesh, layout, hook)
     setattr(transformer, ATTRIBUTE, runtime)
     pipeline.sdkiln_parallel = runtime
     return runtime

@@ -5,14 +5,14 @@ diffusers' pipelines call the transformer once per branch, inside ``cache_contex
 ``cache_context("uncond")``, and combine the two outputs only after both calls: cfg rank 0
 computes the ``cond`` call, cfg rank 1 the ``uncond`` call, and at the ``uncond`` call the two
 outputs are exchanged with one all-gather. Rank 1's ``cond`` call returns at once with a
-placeholder (NaN until filled) that the exchange fills in place before the pipeline reads it;
+placeholder (an empty tensor until filled) that the exchange fills in place before the pipeline reads it;
 rank 0's ``uncond`` call returns rank 1's output. Every rank then applies guidance and the
 scheduler step to the same tensors, so the latents stay identical. A pipeline that batches both
 branches into one call (SD3) has its batch halved: each cfg rank computes its half and one
 all-gather restores the batch. Each branch is evaluated with the shapes a single device uses for it
 (FLUX, Wan and the embedded model call once per branch), so the result is bit-identical; a halved
-batch is exact where the GEMMs compute rows alike whatever the batch (CPU), and within their
-rounding elsewhere.
+batch is not the shape one device uses, and its GEMMs round differently (sd3-tiny on CPU: within
+1e-6 of one device, not bitwise).
 
 The hook also records which ranks run the current call (``call_group``: the guard agrees only
 among them) and turns a failed collective into one ``ParallelError`` naming the rank.
@@ -30,8 +30,6 @@ from sdkiln.errors import ParallelError, SdkilnError
 from sdkiln.runtime.parallel.mesh import Mesh, all_gather
 
 HOOK = "sdkiln_parallel"
-WORLD = "world"
-"""``call_group`` when every rank runs the call (a batched CFG call): the default process group."""
 
 
 class _Context(BaseState):
@@ -62,13 +60,13 @@ def _with_sample(like, sample: torch.Tensor):
 class ParallelHook(ModelHook):
     _is_stateful = True
 
-    def __init__(self, mesh: Mesh, call_group_default):
+    def __init__(self, mesh: Mesh):
         super().__init__()
         self.mesh = mesh
         self.contexts = StateManager(_Context)
-        self.sequence_group = call_group_default
-        self.call_group = call_group_default
-        """The ranks that run the current call: a process group, None (this rank alone) or WORLD."""
+        self.call_group = mesh.sequence_group
+        """The ranks that run the current call: a process group (``dist.group.WORLD`` for a batched
+        CFG call, which every rank runs), or None (this rank alone)."""
         self._pending: torch.Tensor | None = None
         """cfg rank 1: the placeholder it returned for the ``cond`` call, filled at ``uncond``."""
         self._cond = None
@@ -95,11 +93,10 @@ class ParallelHook(ModelHook):
         forward, mesh = self.fn_ref.original_forward, self.mesh
         context = self.contexts._context
         name = None if context is None else context.name
+        self.call_group = mesh.sequence_group  # a branch's call runs on its sequence ranks
         if mesh.config.cfg == 1:
-            self.call_group = self.sequence_group
             return forward(*args, **kwargs)
         if name == "cond":
-            self.call_group = self.sequence_group
             if self._pending is not None or self._cond is not None:
                 raise ParallelError(
                     "CFG parallel: a 'cond' call came without the 'uncond' call of the step before it; "
@@ -109,14 +106,13 @@ class ParallelHook(ModelHook):
                 self._cond = forward(*args, **kwargs)
                 return self._cond
             hidden = kwargs.get("hidden_states", args[0] if args else None)
-            self._pending = torch.full((0,), float("nan"), dtype=hidden.dtype, device=hidden.device)
+            self._pending = torch.empty(0, dtype=hidden.dtype, device=hidden.device)
             return (
                 (self._pending,)
                 if kwargs.get("return_dict", True) is False
                 else Transformer2DModelOutput(sample=self._pending)
             )
         if name == "uncond":
-            self.call_group = self.sequence_group
             if mesh.cfg_rank == 1:
                 if self._pending is None:
                     raise ParallelError("CFG parallel: an 'uncond' call without the 'cond' call before it")
@@ -142,7 +138,7 @@ class ParallelHook(ModelHook):
 
     def _batched(self, forward, args, kwargs):
         """One call with both branches in its batch: each cfg rank computes its half."""
-        self.call_group = WORLD
+        self.call_group = dist.group.WORLD
         hidden = kwargs.get("hidden_states", args[0] if args else None)
         batch = hidden.shape[0]
         if batch % 2:

@@ -46,7 +46,6 @@ class Mesh:
     ring_group: dist.ProcessGroup | None
     ring_ranks: tuple[int, ...]
     """Global ranks of this rank's ring, in ring order."""
-    owns_process_group: bool
 
     @property
     def sequence_degree(self) -> int:
@@ -163,7 +162,7 @@ def init_mesh(config: ParallelConfig, device: torch.device) -> Mesh:
         dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
         _OWNED = True
     if world == 1:  # no peer: nothing to communicate with, no process group needed
-        return Mesh(config, 0, 1, device, 0, 0, 0, None, None, None, None, (0,), owns)
+        return Mesh(config, 0, 1, device, 0, 0, 0, None, None, None, None, (0,))
     c, r, u = config.cfg, config.ring, config.ulysses
     cfg_rank, rest = divmod(rank, r * u)
     ring_rank, ulysses_rank = divmod(rest, u)
@@ -195,5 +194,4 @@ def init_mesh(config: ParallelConfig, device: torch.device) -> Mesh:
         ulysses_group=group(ulys, u),
         ring_group=group(rings, r),
         ring_ranks=tuple(next(g for g in rings if rank in g)),
-        owns_process_group=owns,
     )

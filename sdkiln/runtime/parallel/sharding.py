@@ -141,9 +141,8 @@ def named_cp_plan(cp_plan: dict, image: str) -> tuple[dict, dict[str, str]]:
     return out, lengths
 
 
-def apply_plan(transformer: nn.Module, plan: dict, lengths: dict[str, str], layout: SequenceLayout) -> list:
-    """Register the split and gather hooks of ``plan``; returns (module, hook name) pairs to remove."""
-    registered = []
+def apply_plan(transformer: nn.Module, plan: dict, lengths: dict[str, str], layout: SequenceLayout) -> None:
+    """Register the split and gather hooks of ``plan``."""
     for module_name, entry in plan.items():
         try:
             module = transformer.get_submodule(module_name) if module_name else transformer
@@ -153,15 +152,12 @@ def apply_plan(transformer: nn.Module, plan: dict, lengths: dict[str, str], layo
             ) from None
         registry = HookRegistry.check_if_exists_or_initialize(module)
         if isinstance(entry, dict):
-            name = SPLIT_HOOK.format(module_name)
-            registry.register_hook(SplitHook(entry, layout), name)
+            registry.register_hook(SplitHook(entry, layout), SPLIT_HOOK.format(module_name))
         else:
             outputs = entry if isinstance(entry, list | tuple) else [entry]
             if len(outputs) != 1:
                 raise ParallelError(
                     f"the parallel plan gathers {len(outputs)} outputs of {module_name!r}; sdkiln gathers one"
                 )
-            name = GATHER_HOOK.format(module_name)
-            registry.register_hook(GatherHook(outputs[0], lengths[module_name], layout), name)
-        registered.append((module, name))
-    return registered
+            gather = GatherHook(outputs[0], lengths[module_name], layout)
+            registry.register_hook(gather, GATHER_HOOK.format(module_name))
