@@ -12,7 +12,7 @@ export OMP_NUM_THREADS ?= 1
 export HF_HUB_OFFLINE := 1
 export TORCH_DEVICE_BACKEND_AUTOLOAD := 0
 
-.PHONY: setup setup-test setup-bench demo test test-all lint dataset bench-quant bench-cache bench-kernels bench-parallel readme-numbers fuzz clean
+.PHONY: setup setup-test setup-bench demo test test-all lint dataset bench-quant bench-cache bench-kernels bench-parallel bench-sparse readme-numbers fuzz clean
 
 $(PY):
 	@if $(PYTHON) -c "import torch" >/dev/null 2>&1; then \
@@ -103,6 +103,12 @@ bench-kernels: setup-bench
 # `torchrun --nproc-per-node 1 bench/parallel.py --device cuda` is the one-GPU nccl smoke run.
 bench-parallel: setup-bench
 	$(PY) bench/parallel.py
+
+# Block-sparse attention: CPU attention time and error at 4096-16384 video tokens against the dense
+# reference and SDPA, and calibrated / uniform / cumulative-mass plans on the embedded model (about
+# 10 minutes on 2 cores, OMP_NUM_THREADS=2): bench/results/sparse_cpu.json.
+bench-sparse: setup-bench
+	$(PY) bench/sparse.py
 
 # The README's "Times" section: tools/readme_numbers.py runs `make test` and `make demo` here (about
 # 10 minutes on 2 cores; run it on a quiet machine), times them, reads what they print, and rewrites

@@ -93,3 +93,38 @@ def rel_l2(reference: torch.Tensor, test: torch.Tensor) -> np.ndarray:
     """||test - reference|| / ||reference|| per sample."""
     r, t = reference.detach().double().flatten(1).cpu(), test.detach().double().flatten(1).cpu()
     return ((t - r).norm(dim=1) / r.norm(dim=1).clamp_min(1e-30)).numpy()
+
+
+def student_t_quantile(p: float, dof: int) -> float:
+    """The ``p`` quantile (0.5 < p < 1) of Student's t with ``dof`` degrees of freedom: the CDF is
+    integrated from the density by Simpson's rule and inverted by bisection (no scipy)."""
+    if not 0.5 < p < 1.0 or dof < 1:
+        raise ValueError("need 0.5 < p < 1 and dof >= 1")
+    log_norm = math.lgamma((dof + 1) / 2) - math.lgamma(dof / 2) - 0.5 * math.log(dof * math.pi)
+
+    def cdf(x: float) -> float:
+        t = np.linspace(0.0, x, 4001)
+        density = np.exp(log_norm - (dof + 1) / 2 * np.log1p(t * t / dof))
+        h = x / 4000
+        return 0.5 + h / 3 * (
+            density[0] + density[-1] + 4 * density[1:-1:2].sum() + 2 * density[2:-1:2].sum()
+        )
+
+    low, high = 0.0, 1.0
+    while cdf(high) < p:
+        low, high = high, high * 2
+    for _ in range(60):
+        mid = (low + high) / 2
+        low, high = (mid, high) if cdf(mid) < p else (low, mid)
+    return (low + high) / 2
+
+
+def paired_interval(differences, confidence: float = 0.95) -> tuple[float, float, float]:
+    """(mean, low, high): the two-sided Student-t confidence interval of the mean of paired
+    differences (one per sample, e.g. PSNR of method A minus method B on the same prompt and seed)."""
+    d = np.asarray(differences, dtype=np.float64)
+    if d.size < 2:
+        raise ValueError("a paired interval needs at least two differences")
+    mean, half = float(d.mean()), float(d.std(ddof=1) / math.sqrt(d.size))
+    t = student_t_quantile(0.5 + confidence / 2, d.size - 1)
+    return mean, mean - t * half, mean + t * half

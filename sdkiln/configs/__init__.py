@@ -2,8 +2,8 @@
 
 * ``recipe``: the serializer and allow-list (``RECIPE_STEPS``), ``RecipeStep``, ``Deployment`` and
   ``RecipeConfig``;
-* ``quant``: the quantization recipe steps; ``cache``: the cache recipe steps (sparse attention
-  will have its own module);
+* ``quant``: the quantization recipe steps; ``cache``: the cache recipe steps; ``sparse``: block-sparse
+  attention and 2:4 weight sparsity;
 * ``runtime``: load-time settings (``ParallelConfig``, ``CompileConfig``), which are not recipe steps.
 
 Adding a technique is one config class registered with ``register_step`` in its kind's module,
@@ -27,6 +27,7 @@ from sdkiln.configs.quant import (
 )
 from sdkiln.configs.recipe import RECIPE_STEPS, Deployment, RecipeConfig, RecipeStep, register_step
 from sdkiln.configs.runtime import CompileConfig, ParallelConfig
+from sdkiln.configs.sparse import Sparse24Config, SparseAttentionConfig
 
 __all__ = [
     "RECIPE_STEPS",
@@ -41,6 +42,8 @@ __all__ = [
     "RecipeConfig",
     "RecipeStep",
     "SmoothQuantConfig",
+    "Sparse24Config",
+    "SparseAttentionConfig",
     "W4A16Config",
     "W8A8DynamicConfig",
     "W8A8StaticConfig",

@@ -72,6 +72,7 @@ class CpuPlatform(Platform):
     device_type = "cpu"
     dispatch_key = "CPU"
     dist_backend = "gloo"
+    kernel_modules = ("sdkiln.kernels.cpu",)
 
     def device(self, index: int = 0) -> torch.device:
         return torch.device("cpu")

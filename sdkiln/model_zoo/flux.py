@@ -28,6 +28,7 @@ from sdkiln.model_zoo.spec import (
     SequenceGather,
     SequenceSplit,
     SmoothFold,
+    TokenGrid,
 )
 
 if TYPE_CHECKING:
@@ -133,6 +134,9 @@ FLUX_ATTENTION = (
 # its encoder_hidden_states and txt_ids splits. Every rank embeds the whole text and its shard of the
 # image tokens (and their ids: the RoPE of the joint sequence is computed from the ids); proj_out
 # reads the image stream only, so its output is gathered.
+# FLUX's img_ids hold each image token's (frame, row, column): block-sparse attention tiles by them.
+FLUX_GRID = TokenGrid("img_ids", "ids")
+
 FLUX_PARALLEL = ParallelPlan(
     splits=(SequenceSplit("", "hidden_states", 1, 3), SequenceSplit("", "img_ids", 0, 2)),
     gathers=(SequenceGather("proj_out", 1, 3),),
@@ -160,7 +164,7 @@ SPEC = ModelSpec(
         "transformer_blocks.*.norm1_context.linear",
         "single_transformer_blocks.*.norm.linear",
     ),
-    default_recipe="w8a8-dynamic",
+    default_recipe="quant-auto+cache-auto",
     build=tiny,
     guidance_arg="true_cfg_scale",
     call_defaults={
@@ -177,4 +181,6 @@ SPEC = ModelSpec(
     smooth_folds=FLUX_SMOOTH_FOLDS,
     attention=FLUX_ATTENTION,
     parallel_plan=FLUX_PARALLEL,
+    token_grid=FLUX_GRID,
+    sparse_block_size=16,
 )

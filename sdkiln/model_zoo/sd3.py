@@ -111,7 +111,7 @@ SPEC = ModelSpec(
         "transformer_blocks.*.norm1.linear",
         "transformer_blocks.*.norm1_context.linear",
     ),
-    default_recipe="w8a8-dynamic",
+    default_recipe="quant-auto+cache-auto",
     build=tiny,
     guidance_arg="guidance_scale",
     call_defaults={

@@ -79,6 +79,29 @@ class AttentionSite:
             raise ValueError(f"AttentionSite text places are {TEXT_PLACES}")
 
 
+GRID_LAYOUTS = ("ids", "latents")
+
+
+@dataclass(frozen=True)
+class TokenGrid:
+    """Where each image (or video) token sits, as (frame, row, column), for block-sparse attention's
+    tiling (``sdkiln.runtime.sparse``), read from the transformer's argument ``arg``:
+
+    * ``"ids"``: position ids [S, 3] (or [B, S, 3]) whose axes 0, 1, 2 are frame, row and column, one
+      row per image token in sequence order (FLUX's ``img_ids``);
+    * ``"latents"``: the latents [B, C, F, H, W] (or [B, C, H, W]) that the transformer patchifies by
+      ``patch`` (frames, rows, columns) into tokens in row-major order (Wan's ``hidden_states``).
+    """
+
+    arg: str
+    layout: str
+    patch: tuple[int, int, int] = (1, 1, 1)
+
+    def __post_init__(self) -> None:
+        if self.layout not in GRID_LAYOUTS:
+            raise ValueError(f"TokenGrid.layout is one of {GRID_LAYOUTS}, got {self.layout!r}")
+
+
 @dataclass(frozen=True)
 class SequenceSplit:
     """Where the parallel runtime shards the sequence: the argument ``name`` of ``module`` (a module
@@ -127,6 +150,7 @@ class ModelSpec:
     float_layers: tuple[str, ...]
     """fnmatch patterns over module names (relative to the transformer) kept in float."""
     default_recipe: str
+    """What the recipe name ``default`` stands for on this family."""
     build: Callable[[], Any]
     """Returns the family's default pipeline (tiny random weights, or the shipped embedded model)."""
     guidance_arg: str = "guidance_scale"
@@ -147,6 +171,11 @@ class ModelSpec:
     parallel_plan: ParallelPlan | None = None
     """Where the sequence is split and gathered for Ulysses and ring attention with replicated text;
     None: the family runs CFG-parallel only. Split text uses the diffusers class's own ``_cp_plan``."""
+    token_grid: TokenGrid | None = None
+    """Where the image tokens sit, for block-sparse attention; None: the family has no sparse attention."""
+    sparse_block_size: int = 64
+    """Tokens per block of block-sparse attention at the family's usual resolution (64 or 128 for
+    thousands of tokens; fewer for a small test model, so that it has blocks to choose from)."""
 
     def is_float_layer(self, name: str) -> bool:
         return any(fnmatch.fnmatchcase(name, pattern) for pattern in self.float_layers)

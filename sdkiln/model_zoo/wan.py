@@ -22,6 +22,7 @@ from sdkiln.model_zoo.spec import (
     ParallelPlan,
     SequenceGather,
     SequenceSplit,
+    TokenGrid,
 )
 
 if TYPE_CHECKING:
@@ -91,7 +92,8 @@ SPEC = ModelSpec(
     transformer_attr="transformer",
     block_lists=(BlockList("blocks", inputs=("hidden_states",), outputs=("hidden_states",)),),
     float_layers=(),
-    default_recipe="w8a8-dynamic",
+    # a video model's attention is most of its time: its default recipe adds calibrated sparse attention
+    default_recipe="quant-auto+cache-auto+sparse-attn",
     build=tiny,
     guidance_arg="guidance_scale",
     call_defaults={
@@ -123,4 +125,7 @@ SPEC = ModelSpec(
         ),
         gathers=(SequenceGather("proj_out", 1, 3),),
     ),
+    # the latents [B, C, F, H, W], patchified (1, 2, 2) into tokens in (frame, row, column) order
+    token_grid=TokenGrid("hidden_states", "latents", (1, 2, 2)),
+    sparse_block_size=16,
 )

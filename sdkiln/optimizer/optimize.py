@@ -128,16 +128,18 @@ def optimize(
             ascend_dir = Path(f"{out_dir}-ascend")
             reserved.enter_context(target_lock(ascend_dir))
             ascend.check_replaceable(ascend_dir, force)
-        recipe = resolve_recipe(recipe)
-        if deployment is not None:
-            recipe = dataclasses.replace(
-                recipe, deployment=recipe.deployment.merged(deployment, "the optimize call")
-            )
+        asked = recipe
+        recipe = resolve_recipe(asked)  # an unknown name fails before the model loads
         if isinstance(model, str | os.PathLike) or model is None:
             base, spec, base_id = load_model(None if model is None else str(model))
         else:
             base, spec = model, spec_for_pipeline(model)
             base_id = base_id or getattr(model, "name_or_path", None) or spec.name
+        recipe = resolve_recipe(asked, spec)  # "default" is the family's
+        if deployment is not None:
+            recipe = dataclasses.replace(
+                recipe, deployment=recipe.deployment.merged(deployment, "the optimize call")
+            )
         attr = spec.transformer_attr
         base_transformer = getattr(base, attr)
         if format == "ascend":

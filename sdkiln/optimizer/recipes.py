@@ -10,7 +10,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from sdkiln.configs import RECIPE_STEPS, CacheAutoConfig, RecipeConfig, RecipeStep, WeightRounding
+from sdkiln.configs import (
+    RECIPE_STEPS,
+    CacheAutoConfig,
+    RecipeConfig,
+    RecipeStep,
+    SparseAttentionConfig,
+    WeightRounding,
+)
 from sdkiln.errors import PackageError, RecipeError, third_party
 from sdkiln.runtime.package import parse_json
 
@@ -31,8 +38,13 @@ PRESETS: dict[str, Callable[[], list[RecipeStep]]] = {
             refine=40,
         )
     ],
+    # Block-sparse attention: calibrated per layer within the default error budget, or one sparsity
+    # for every layer (for comparison; docs/sparsity.md).
+    "sparse-attn": lambda: [SparseAttentionConfig()],
+    **{f"sparse-attn@{s}": (lambda s=s: [SparseAttentionConfig(sparsity=s)]) for s in (0.5, 0.7, 0.8, 0.9)},
 }
-ALIASES = {"default": "quant-auto+cache-auto"}
+DEFAULT = "quant-auto+cache-auto"
+ALIASES = {"default": DEFAULT}
 
 
 def named_recipes() -> dict[str, Callable[[], list[RecipeStep]]]:
@@ -46,15 +58,17 @@ def named_recipes() -> dict[str, Callable[[], list[RecipeStep]]]:
     return names | PRESETS
 
 
-def resolve_recipe(recipe: str | RecipeConfig) -> RecipeConfig:
-    """A recipe from a name (``w8a8-dynamic``, ``a+b``, ``default``), a JSON/YAML file, or a config."""
+def resolve_recipe(recipe: str | RecipeConfig, spec=None) -> RecipeConfig:
+    """A recipe from a name (``w8a8-dynamic``, ``a+b``, ``default``), a JSON/YAML file, or a config.
+    ``default`` is the model family's ``ModelSpec.default_recipe`` when ``spec`` is given."""
     if isinstance(recipe, RecipeConfig):
         return recipe
     if recipe.endswith((".json", ".yaml", ".yml")):
         return _recipe_file(Path(recipe))
     known = named_recipes()
     steps: list[RecipeStep] = []
-    parts = [p for part in recipe.split("+") for p in ALIASES.get(part.strip(), part.strip()).split("+")]
+    aliases = ALIASES if spec is None else {**ALIASES, "default": spec.default_recipe}
+    parts = [p for part in recipe.split("+") for p in aliases.get(part.strip(), part.strip()).split("+")]
     for name in parts:
         if name not in known:
             names = ", ".join(sorted([*known, *ALIASES]))

@@ -30,7 +30,7 @@ from torch import nn
 
 from sdkiln import kernels
 from sdkiln.configs.runtime import CompileConfig, ParallelConfig
-from sdkiln.errors import PackageError, ParallelError, third_party
+from sdkiln.errors import PackageError, ParallelError, SdkilnError, third_party
 from sdkiln.runtime import restore
 from sdkiln.runtime.components import (
     assemble,
@@ -195,6 +195,12 @@ def load(
     target = kernels.resolve_device(device)
     pkg = open_package(path, digest=digest)
     sections = restore.sections_of(pkg.manifest)
+    if compile is not None and any(s.name == "sparse_attention" for s in sections):
+        raise SdkilnError(
+            "compile with block-sparse attention is not supported yet: the sparse backend breaks the compiled "
+            "graph inside the routed attention processors, which torch.compile does not run correctly yet "
+            "(docs/sparsity.md); load this package without compile"
+        )
     ctx = restore.RestoreContext(pkg, build_transformer(pkg))
     restore.run_stage("build", sections, ctx)
     load_weights(pkg, ctx.transformer)

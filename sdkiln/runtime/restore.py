@@ -28,7 +28,11 @@ from sdkiln.errors import PackageError
 from sdkiln.runtime.package import MANIFEST, Package
 
 CORE_FIELDS = ("format", "schema_version", "sdkiln_version", "created", "model", "call", "recipe", "files")
-SECTION_MODULES = ("sdkiln.runtime.quant.restore", "sdkiln.runtime.cache.restore")
+SECTION_MODULES = (
+    "sdkiln.runtime.quant.restore",
+    "sdkiln.runtime.cache.restore",
+    "sdkiln.runtime.sparse.restore",
+)
 
 
 @dataclass

@@ -294,6 +294,32 @@ def test_attention_scale_and_fully_masked_rows(device):
     torch.testing.assert_close(lse, expected_lse, **TOL[torch.float32])
 
 
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("length", [64, 70], ids=["whole_blocks", "short_last_block"])
+def test_block_sparse_attention_cpu_kernel(dtype, length):
+    """The CPU kernel (gathered kept blocks on torch's CPU flash kernel) against the dense formula
+    under the mask the kept lists stand for, with rows keeping every, some and no key block."""
+    from sdkiln.kernels.ops.sparse_attention import dense_mask
+
+    K.load_device_kernels("cpu")
+    b, h, d, block = 2, 3, 16, 16
+    q, k, v = (randn(b, length, h, d, device="cpu", dtype=dtype) for _ in range(3))
+    n = math.ceil(length / block)
+    kept = torch.full((b, h, n, n), -1, dtype=torch.int32)
+    for i in range(b):
+        for j in range(h):
+            for qb in range(n):
+                count = (i + j + qb) % (n + 1)  # 0 (nothing kept) ... n (dense)
+                kept[i, j, qb, -count or n :] = torch.randperm(n)[:count].int()  # padding first
+    assert K.implementation("block_sparse_attention", "cpu", q, k, v, kept, block, None) == "flash_gather"
+    out, lse = K.block_sparse_attention(q, k, v, kept, block)
+    mask = dense_mask(kept, block, length, length)
+    expected = sdpa_bshd(q.float(), k.float(), v.float(), attn_mask=mask).nan_to_num(0.0)
+    torch.testing.assert_close(out, expected.to(dtype), **TOL[dtype])
+    logits = logits_bshd(q, k, mask, 1 / math.sqrt(d))
+    torch.testing.assert_close(lse, torch.logsumexp(logits, -1).transpose(1, 2), **TOL[dtype])
+
+
 def test_attention_refuses_mismatched_heads():
     q = randn(1, 4, 2, 8, device="cpu")
     with pytest.raises(ValueError, match=r"attention: q \[B, Sq, H, D\]"):
@@ -523,7 +549,7 @@ def test_device_kernels_load_only_when_asked():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "['scaled_mm', 'triton']"
-    assert K.load_device_kernels("cpu") == []
+    assert K.load_device_kernels("cpu") == ["sdkiln.kernels.cpu"]
 
 
 def test_reimport_keeps_the_registrations():

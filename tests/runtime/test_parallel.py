@@ -26,7 +26,15 @@ import pytest
 import torch
 
 import sdkiln
-from sdkiln.configs import CompileConfig, ParallelConfig
+from sdkiln.configs import (
+    CacheAutoConfig,
+    CompileConfig,
+    Deployment,
+    ParallelConfig,
+    RecipeConfig,
+    SparseAttentionConfig,
+    W8A8DynamicConfig,
+)
 from sdkiln.errors import ParallelError
 from sdkiln.metrics import sqnr_db
 from sdkiln.runtime.cache import cache_runner
@@ -52,6 +60,14 @@ def packages(tmp_path_factory) -> dict[str, Path]:
         out[name] = root / name
     sdkiln.optimize("flux-tiny", "w8a8-dynamic+cache-safe", root / "guarded", eval_samples=0)
     out["guarded"] = root / "guarded"
+    cache = CacheAutoConfig(
+        psnr_floor_db=20.0, psnr_p5_floor_db=15.0, calib_samples=1, eval_samples=1, budgets=2, refine=0
+    )
+    sparse = [W8A8DynamicConfig(), SparseAttentionConfig(sparsity=0.6, dense_steps=1, calib_samples=1), cache]
+    recipe = RecipeConfig("sparse", sparse, Deployment(num_inference_steps=8))
+    with pytest.warns(UserWarning, match="no plan reached"):  # a fixed plan, whatever its quality
+        sdkiln.optimize("fmnist-flux", recipe, root / "sparse", eval_samples=0)
+    out["sparse"] = root / "sparse"
     return out
 
 
@@ -192,6 +208,8 @@ def test_two_ranks_cfg_ulysses_ring_and_split_text_match_one_device(packages):
             (packages["guarded"], uly, None, EXACT),
             (packages["guarded"], cfg, None, EXACT),
             (packages["guarded"], cfg, None, EXACT, CompileConfig(backend="eager", regional=True)),
+            (packages["sparse"], uly, None, EXACT),  # block-sparse attention: each rank its heads' plan
+            (packages["sparse"], cfg, None, EXACT),
         ],
     )
 
@@ -205,6 +223,7 @@ def test_four_ranks_compose_cfg_with_ulysses_and_ulysses_with_ring(packages):
             (packages["flux-tiny"], ParallelConfig(ulysses=2, ring=2), {"height": 36, "width": 36}, CLOSE_DB),
             (packages["wan-tiny"], ParallelConfig(ulysses=2, ring=2), {"height": 48, "width": 48}, CLOSE_DB),
             (packages["fmnist-flux"], ParallelConfig(cfg=2, ring=2), None, CLOSE_DB),
+            (packages["sparse"], ParallelConfig(cfg=2, ulysses=2), None, EXACT),
         ],
     )
 
@@ -236,6 +255,10 @@ def test_layouts_that_do_not_fit_the_launch_or_the_model_are_refused_clearly(pac
         sdkiln.load(
             packages["flux-tiny"], device="cpu", parallel=ParallelConfig(ulysses=2), compile=CompileConfig()
         )
+    with pytest.raises(
+        ParallelError, match="block-sparse attention, which runs under Ulysses.*not under ring"
+    ):
+        sdkiln.load(packages["sparse"], device="cpu", parallel=ParallelConfig(ring=2))
     assert layouts(4) == [
         "--ring 4", "--ulysses 2 --ring 2", "--ulysses 4", "--cfg-parallel --ring 2", "--cfg-parallel --ulysses 2",
     ]  # fmt: skip

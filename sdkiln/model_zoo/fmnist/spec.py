@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sdkiln.model_zoo.flux import FLUX_ATTENTION, FLUX_PARALLEL
+from sdkiln.model_zoo.flux import FLUX_ATTENTION, FLUX_GRID, FLUX_PARALLEL
 from sdkiln.model_zoo.fmnist.data import CLASS_NAMES
 from sdkiln.model_zoo.fmnist.metrics import fmnist_metrics
 from sdkiln.model_zoo.fmnist.pipeline import DEFAULT_GUIDANCE, FmnistFluxPipeline
@@ -35,7 +35,7 @@ SPEC = ModelSpec(
         "transformer_blocks.*.norm1_context.linear",
         "single_transformer_blocks.*.norm.linear",
     ),
-    default_recipe="w8a8-dynamic",
+    default_recipe="quant-auto+cache-auto",
     build=build,
     guidance_arg="guidance_scale",
     call_defaults={"num_inference_steps": 28, "guidance_scale": DEFAULT_GUIDANCE, "output_type": "np"},
@@ -44,4 +44,7 @@ SPEC = ModelSpec(
     metrics=fmnist_metrics,
     attention=FLUX_ATTENTION,
     parallel_plan=FLUX_PARALLEL,
+    token_grid=FLUX_GRID,
+    # 256 image tokens (16x16): 4x4 tiles give 16 image blocks to choose among
+    sparse_block_size=16,
 )

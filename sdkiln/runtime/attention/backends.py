@@ -55,6 +55,9 @@ class AttentionCall:
     sequence: Any = None
     """sdkiln's sequence-parallel layout (``sdkiln.runtime.parallel``) when the parallel runtime
     sharded this call's sequence."""
+    sparse: Callable[..., Tensor] | None = None
+    """The transformer's block-sparse attention plan (``sdkiln.runtime.sparse``) when one is attached:
+    ``sparse(call, head_offset=0)`` computes a whole-sequence call under it."""
 
 
 Backend = Callable[[AttentionCall], Tensor]

@@ -65,12 +65,18 @@ class AttentionRoute:
         self.sequence: Any = None
         """The parallel runtime's sequence layout when the transformer runs sequence-parallel
         (``sdkiln.runtime.parallel``); the backend reads it from the call."""
+        self.sparse: Any = None
+        """The block-sparse attention plan at run time (``sdkiln.runtime.sparse``), when one is attached."""
         self.originals: dict[str, Any] = {}
         """Site call kind -> what the unrouted processor calls (diffusers' ``dispatch_attention_fn``,
         ``torch.nn.functional``), for a backend that computes part of a call as diffusers would."""
         self.routed: dict[str, tuple[nn.Module, Any]] = {}
         """Module name -> (the attention module, its original processor)."""
         self._handle = None
+
+    def use(self, backend_name: str) -> None:
+        """Run the routed calls on another backend (the parallel runtime takes over a sparse route)."""
+        self.backend, self.backend_name = backend(backend_name), backend_name
 
     @torch.compiler.disable
     def before_call(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -93,7 +99,7 @@ class AttentionRoute:
         call = AttentionCall(
             site, name, query, key, value, attn_mask, scale,
             _span(site.query_text, query.shape[1], text), _span(site.key_text, key.shape[1], text),
-            parallel_config, native, self.sequence,
+            parallel_config, native, self.sequence, self.sparse,
         )  # fmt: skip
         return self.backend(call)
 

@@ -20,7 +20,7 @@ from torch import nn
 
 from sdkiln.configs.runtime import ParallelConfig
 from sdkiln.errors import ParallelError
-from sdkiln.runtime.attention import route_attention, unroute_attention
+from sdkiln.runtime.attention import attention_route, route_attention, unroute_attention
 from sdkiln.runtime.parallel import attention as _backend  # noqa: F401  (registers "parallel")
 from sdkiln.runtime.parallel.cfg import HOOK, ParallelHook
 from sdkiln.runtime.parallel.mesh import Mesh, init_mesh
@@ -58,6 +58,14 @@ def parallel_runtime(transformer: nn.Module) -> ParallelRuntime | None:
     return getattr(getattr(transformer, "_orig_mod", transformer), ATTRIBUTE, None)
 
 
+def _give_back(transformer: nn.Module, route) -> None:
+    """Undo the parallel runtime's route: back to the sparse backend, or unrouted."""
+    if route.sparse is not None:
+        route.use("sparse")
+    else:
+        unroute_attention(transformer)
+
+
 def enable_parallel(
     pipeline: Any, transformer: nn.Module, spec, config: ParallelConfig, device: torch.device
 ) -> ParallelRuntime:
@@ -77,11 +85,21 @@ def enable_parallel(
             plan, lengths = named_cp_plan(cp_plan, spec.parallel_plan.image)
         else:
             plan, lengths = to_diffusers_plan(spec.parallel_plan)
-        route = route_attention(transformer, spec, "parallel")
+        route = attention_route(transformer)
+        if route is not None and route.sparse is not None and config.ring > 1:
+            raise ParallelError(
+                "this package runs block-sparse attention, which runs under Ulysses (each rank holds whole "
+                "heads) but not under ring attention (a rank holds a part of the key blocks its queries "
+                "choose from); use --ulysses alone"
+            )
+        if route is None:
+            route = route_attention(transformer, spec, "parallel")
+        else:  # a sparse-attention plan: Ulysses computes each rank's heads under it
+            route.use("parallel")
         heads = {getattr(module, "heads", None) for module, _ in route.routed.values()} - {None}
         bad = sorted(h for h in heads if h % config.ulysses)
         if bad:
-            unroute_attention(transformer)
+            _give_back(transformer, route)
             allowed = [d for d in range(1, min(heads) + 1) if all(h % d == 0 for h in heads)]
             raise ParallelError(
                 f"ulysses {config.ulysses} does not divide the {bad[0]} attention heads of "
@@ -91,7 +109,7 @@ def enable_parallel(
         mesh = init_mesh(config, device)
     except BaseException:
         if route is not None:
-            unroute_attention(transformer)
+            _give_back(transformer, route)
         raise
     layout = None
     if route is not None:

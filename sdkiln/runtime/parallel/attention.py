@@ -26,6 +26,7 @@ token is skipped. Attention masks are refused: no family in the zoo passes one.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -34,7 +35,7 @@ from torch import Tensor
 
 from sdkiln import kernels
 from sdkiln.errors import ParallelError
-from sdkiln.runtime.attention.backends import AttentionCall, register_backend
+from sdkiln.runtime.attention.backends import AttentionCall, TokenSpan, register_backend
 from sdkiln.runtime.parallel.mesh import all_gather
 from sdkiln.runtime.parallel.sharding import SequenceLayout
 
@@ -186,9 +187,11 @@ def parallel_attention(call: AttentionCall) -> Tensor:
     q = joined(q_rep, q_x)
     if config.ring == 1:
         valid = _valid(shards, 0, u)
-        out = call.native(
-            q, joined(k_rep, _select(k_x, valid)), joined(v_rep, _select(v_x, valid)), scale=call.scale
-        )
+        k, v = joined(k_rep, _select(k_x, valid)), joined(v_rep, _select(v_x, valid))
+        if call.sparse is None:
+            out = call.native(q, k, v, scale=call.scale)
+        else:
+            out = _sparse(call, q_rep, q_x, k, v, valid, rep_first, head0)
     else:
         out = _ring_attention(q, k_rep, v_rep, k_x, v_x, shards, layout, call.scale, rep_first)
     text = 0 if q_rep is None else q_rep.shape[1]
@@ -200,6 +203,27 @@ def parallel_attention(call: AttentionCall) -> Tensor:
     pieces = list(out_x.split([s.local for s in shards], dim=1))
     ordered = [out_rep if s.replicated else pieces.pop(0) for s in q_segs]
     return torch.cat(ordered, dim=1)
+
+
+def _sparse(call: AttentionCall, q_rep, q_x, k, v, valid, rep_first: bool, head0: int) -> Tensor:
+    """The whole sequence of this rank's heads under the block-sparse plan (``call.sparse``), on the
+    real tokens in the single-device order; padded query rows come back as zeros."""
+    q = _select(q_x, valid)
+    text, length = (
+        (0 if q_rep is None else q_rep.shape[1]),
+        q.shape[1] + (0 if q_rep is None else q_rep.shape[1]),
+    )
+    span = TokenSpan(0, text, length) if rep_first else TokenSpan(length - text, length, length)
+    q = q if q_rep is None else torch.cat([q_rep, q] if rep_first else [q, q_rep], dim=1)
+    whole = dataclasses.replace(call, query=q, key=k, value=v, query_text=span, key_text=span, sequence=None)
+    out = call.sparse(whole, head_offset=head0)
+    if valid is None:
+        return out
+    out_rep, out_x = (
+        (out[:, :text], out[:, text:]) if rep_first else (out[:, length - text :], out[:, : length - text])
+    )
+    padded = out_x.new_zeros(out_x.shape[0], q_x.shape[1], *out_x.shape[2:]).index_copy_(1, valid, out_x)
+    return torch.cat([out_rep, padded] if rep_first else [padded, out_rep], dim=1)
 
 
 def _ring_attention(q, k_rep, v_rep, k_x, v_x, shards, layout, scale, rep_first) -> Tensor:

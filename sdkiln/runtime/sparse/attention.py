@@ -1,0 +1,196 @@
+"""The ``"sparse"`` attention backend: a routed attention call runs as block-sparse attention.
+
+``SparseAttention`` runs one transformer's plan (``plan.py``). A forward pre-hook on the transformer
+reads where its image tokens sit (the family's ``TokenGrid``) and tiles them (``tiling.py``) once
+per grid. Each routed call of a layer the plan lists, from its ``dense_steps``-th denoising step
+on, then:
+
+1. reorders the image tokens of q, k and v into tiles (text tokens stay where they are);
+2. selects each query block's key blocks (``selection.py``) from the layer's per-head-group value,
+   text blocks and a video's first frame dense, or reuses the selection made at most ``mask_reuse``
+   - 1 denoising steps earlier for the same layer and the same call of the step (so CFG's two
+   branches keep their own selections);
+3. runs ``sdkiln::block_sparse_attention`` on the kept blocks (on the CPU: the gather + flash kernel
+   of ``sdkiln.kernels.cpu``; on a GPU: Triton's; on Ascend: ``npu_block_sparse_attention``);
+4. puts the output rows back in the sequence order.
+
+Every other call (a layer the plan leaves dense, cross-attention whose keys are all text, the
+dense steps) runs as the unrouted diffusers processor would (``AttentionCall.native``). Under
+Ulysses the parallel backend calls ``SparseAttention`` on its whole-sequence, head-split call with
+the call's first global head, so the per-head plan applies unchanged; ring attention is refused
+(``sdkiln.runtime.parallel.apply``).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from sdkiln import kernels
+from sdkiln.errors import SdkilnError
+from sdkiln.runtime.attention.backends import AttentionCall, register_backend
+from sdkiln.runtime.sparse.plan import SparseAttentionPlan
+from sdkiln.runtime.sparse.selection import kept_fraction, select_blocks
+from sdkiln.runtime.sparse.tiling import Tiling, tile_order, token_coords
+
+
+class SparseAttention:
+    """The plan of one transformer at run time, and what it computed (``stats``)."""
+
+    def __init__(
+        self, plan: SparseAttentionPlan, grid, transformer: nn.Module, heads: dict[str, int], tracker
+    ):
+        self.plan = plan
+        self.grid = grid
+        self.heads = heads
+        """Module name -> its attention heads (all of them, across Ulysses ranks)."""
+        self.tracker = tracker
+        self.tiling: Tiling | None = None
+        self._coords_key: Any = None
+        self._kept: dict[tuple[str, int], tuple[int, Tensor]] = {}
+        self._calls: dict[str, tuple[int, int]] = {}
+        self.stats = {"sparse_calls": 0, "dense_calls": 0, "selections": 0, "kept_block_pairs": 0.0}
+        """Counters: routed calls run sparse and dense, selections made, and the summed kept fraction
+        of the sparse calls (``kept_block_pairs / sparse_calls`` is their mean)."""
+        params = list(inspect.signature(transformer.forward).parameters)
+        self._position = params.index(grid.arg) if grid.arg in params else None
+        self._handle = transformer.register_forward_pre_hook(self.before_call, with_kwargs=True)
+
+    def remove(self) -> None:
+        self._handle.remove()
+
+    @torch.compiler.disable
+    def before_call(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        value = kwargs.get(self.grid.arg)
+        if value is None and self._position is not None and self._position < len(args):
+            value = args[self._position]
+        if value is None:
+            raise SdkilnError(
+                f"sparse attention reads the image token grid from {self.grid.arg!r}; this call has none"
+            )
+        key = (tuple(value.shape), value.device) if self.grid.layout == "latents" else None
+        if key is not None and key == self._coords_key:
+            return
+        coords = token_coords(self.grid, value)
+        if self.tiling is not None and key is None and torch.equal(coords, self._coords):
+            return
+        self._coords, self._coords_key = coords, key
+        self.tiling = tile_order(coords, self.plan.tile, self.plan.first_frame_dense)
+        self._kept.clear()
+
+    def _ordinal(self, name: str, step: int) -> int:
+        last_step, count = self._calls.get(name, (-1, 0))
+        count = count + 1 if last_step == step else 0
+        self._calls[name] = (step, count)
+        return count
+
+    def __call__(self, call: AttentionCall, head_offset: int = 0) -> Tensor:
+        """The call's attention under the plan; ``head_offset`` is the global index of the call's first
+        head (Ulysses gives each rank a slice of the heads)."""
+        values = self.plan.layers.get(call.name)
+        step = self.step()
+        if values is None or not self.sparse_site(call) or step < self.plan.dense_steps:
+            self.stats["dense_calls"] += 1
+            return call.native(call.query, call.key, call.value, attn_mask=call.mask, scale=call.scale)
+        layout = self.layout(call)
+        key = (call.name, self._ordinal(call.name, step))
+        cached = self._kept.get(key)
+        kept = None
+        if cached is not None and 0 <= step - cached[0] < self.plan.mask_reuse:
+            kept = cached[1] if cached[1].shape[:2] == (call.query.shape[0], call.query.shape[2]) else None
+        out, kept_now = self.compute(call, layout, self.head_values(call, values, head_offset), kept)
+        if kept is None:
+            self._kept[key] = (step, kept_now)
+            self.stats["selections"] += 1
+        self.stats["sparse_calls"] += 1
+        self.stats["kept_block_pairs"] += kept_fraction(kept_now, layout.blocks)
+        return out
+
+    def step(self) -> int:
+        if self.tracker.step is None:
+            raise SdkilnError(
+                "sparse attention follows the denoising step; run the transformer through its pipeline"
+            )
+        return self.tracker.step
+
+    @staticmethod
+    def sparse_site(call: AttentionCall) -> bool:
+        """Self-attention over image tokens: what a plan can make sparse (not text-only keys)."""
+        return call.site.key_text != "all"
+
+    def head_values(self, call: AttentionCall, values: list[float], head_offset: int) -> Tensor:
+        """The plan's value for each of the call's heads [H]: head group ``g`` holds global heads
+        ``[g * H / G, (g + 1) * H / G)``."""
+        total = self.heads.get(call.name) or call.query.shape[2]
+        heads = (torch.arange(call.query.shape[2]) + head_offset) * len(values) // total
+        return torch.tensor(values, dtype=torch.float32)[heads]
+
+    def layout(self, call: AttentionCall) -> CallLayout:
+        """Where the call's tokens go in the tiled order, and which blocks stay dense."""
+        if call.mask is not None:
+            raise SdkilnError(f"{call.name}: sparse attention takes no attention mask")
+        q, k = call.query, call.key
+        if q.shape[1] != k.shape[1] or call.query_text != call.key_text:
+            raise SdkilnError(
+                f"{call.name}: sparse attention runs self-attention (queries and keys the same tokens)"
+            )
+        tiling, bs, s, text = self.tiling, self.plan.block_size, q.shape[1], call.query_text
+        image = torch.cat([torch.arange(0, text.start), torch.arange(text.stop, s)])
+        if len(image) != len(tiling.order):
+            raise SdkilnError(
+                f"{call.name}: {len(image)} image tokens in the call, {len(tiling.order)} in the grid of {self.grid.arg!r}"
+            )
+        perm = torch.arange(s)
+        perm[image] = image[tiling.order]
+        n = math.ceil(s / bs)
+        dense = torch.zeros(n, dtype=torch.bool)
+        if text.stop > text.start:
+            dense[text.start // bs : (text.stop - 1) // bs + 1] = True
+        dense[image[: tiling.first_frame] // bs] = True
+        return CallLayout(perm.to(q.device), torch.argsort(perm).to(q.device), dense, n)
+
+    def compute(
+        self, call: AttentionCall, layout: CallLayout, values: Tensor, kept: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """(block-sparse attention output in sequence order, the kept blocks): the blocks selected
+        for the heads' ``values`` [H], or ``kept`` when given."""
+        perm = layout.order
+        qp, kp, vp = call.query[:, perm], call.key[:, perm], call.value[:, perm]
+        bs = self.plan.block_size
+        if kept is None:
+            kept = select_blocks(
+                qp, kp, values, bs, self.plan.selection, layout.dense, layout.dense, call.scale
+            )
+        out, _ = kernels.block_sparse_attention(qp, kp, vp, kept, bs, call.scale)
+        return out[:, layout.inverse], kept
+
+
+@dataclass(frozen=True)
+class CallLayout:
+    order: Tensor
+    """Sequence position ``order[i]`` goes to tiled position ``i`` (text positions map to themselves)."""
+    inverse: Tensor
+    dense: Tensor
+    """Blocks (of the tiled order) that attend and are attended densely: text and a video's first frame."""
+    blocks: int
+
+
+@register_backend("sparse")
+@torch.compiler.disable
+def sparse_attention(call: AttentionCall) -> Tensor:
+    """A routed call on one device under the transformer's block-sparse plan (module docstring)."""
+    if call.sparse is None:
+        raise SdkilnError(
+            f"{call.name}: the 'sparse' attention backend runs a sparse-attention plan; none is attached"
+        )
+    if call.parallel_config is not None:
+        raise SdkilnError(
+            f"{call.name}: sparse attention under diffusers' enable_parallelism is not supported; load with "
+            "sdkiln.load(..., parallel=ParallelConfig(ulysses=N)) instead"
+        )
+    return call.sparse(call)
