@@ -78,12 +78,17 @@ def on_cpu(npu):
     """The NPU kernels registered for the CPU too (same names, priorities and ``supports``), so
     ``torch.ops.sdkiln.<op>`` on CPU tensors goes through the dispatcher to them and the fake."""
     fake, _ = npu
+    own = [(op, k) for op in K.op_names() for k in K.kernels(op, "cpu")]  # the CPU's kernels step aside
+    for op, k in own:
+        K.remove_kernel(op, "cpu", k.name)
     mirrored = [(op, k) for op in K.op_names() for k in K.kernels(op, "npu")]
     for op, k in mirrored:
         K.register_kernel(op, "cpu", k.name, priority=k.priority, supports=k.supports)(k.fn)
     yield fake
     for op, k in mirrored:
         K.remove_kernel(op, "cpu", k.name)
+    for op, k in own:
+        K.register_kernel(op, "cpu", k.name, priority=k.priority, supports=k.supports)(k.fn)
 
 
 @pytest.fixture
