@@ -10,10 +10,13 @@ adds the permutation and the selection, as the backend runs them. Random q and k
 uniformly, so their attention error is an upper bound, not a model's.
 
 Part 2 (``embedded``): the embedded model at its deployment (28 steps, CFG 4): PSNR of the final
-images against dense attention on held-out prompts for uniform top-k plans, cumulative-mass plans
-and calibrated plans (default budget, and a larger one), all with 2 dense steps, with the computed
+images against dense attention on held-out prompts for uniform top-k plans (0.7 also with its block
+selection reused over 2 and 4 denoising steps), cumulative-mass plans
+and calibrated plans (budgets 0.05, 0.2 and 0.35), all with 2 dense steps, with the computed
 fraction of block pairs each plan realized, and paired Student-t intervals of calibrated minus
-uniform PSNR. JSON to bench/results/sparse_<device>.json.
+uniform PSNR against the uniform plan of the nearest computed fraction of block pairs (dense layers
+and steps counted whole), and the 2:4 weight-sparsity step's PSNR. JSON to
+bench/results/sparse_cpu.json.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import machine  # noqa: E402
 
 from sdkiln import kernels  # noqa: E402
-from sdkiln.configs import Deployment, RecipeConfig, SparseAttentionConfig  # noqa: E402
+from sdkiln.configs import Deployment, RecipeConfig, Sparse24Config, SparseAttentionConfig  # noqa: E402
 from sdkiln.kernels.ops.attention import attention_reference  # noqa: E402
 from sdkiln.metrics import paired_interval, psnr  # noqa: E402
 from sdkiln.optimizer.evaluate import generate  # noqa: E402
@@ -116,6 +119,10 @@ def attention_part(tokens: list[int], sparsities: list[float], repeats: int, blo
 def embedded_part(samples: int) -> dict:
     dep = Deployment(num_inference_steps=28)
     plans = {f"uniform {s}": SparseAttentionConfig(sparsity=s, dense_steps=2) for s in (0.5, 0.7, 0.8, 0.9)}
+    plans |= {
+        f"uniform 0.7 reuse {r}": SparseAttentionConfig(sparsity=0.7, dense_steps=2, mask_reuse=r)
+        for r in (2, 4)
+    }
     plans |= {f"mass {m}": SparseAttentionConfig(mass=m, dense_steps=2) for m in (0.95, 0.9, 0.8)}
     plans |= {
         f"calibrated budget {b}": SparseAttentionConfig(budget=b, dense_steps=2) for b in (0.05, 0.2, 0.35)
@@ -136,12 +143,13 @@ def embedded_part(samples: int) -> dict:
         start = time.perf_counter()
         images[name], _ = generate(made.pipeline, call, prompts, seeds, samples, name)
         seconds = time.perf_counter() - start
-        stats = sparse_attention_of(made.pipeline.transformer).stats
         record = made.manifest["recipe"]["steps"][0]["result"]
         per_sample = psnr(base, images[name])
         results[name] = {
             "planned_mean_sparsity": record["mean_sparsity"],
-            "computed_block_pairs": round(stats["kept_block_pairs"] / max(stats["sparse_calls"], 1), 4),
+            "computed_block_pairs": round(
+                sparse_attention_of(made.pipeline.transformer).computed_fraction(), 4
+            ),
             "psnr_mean": round(float(per_sample.mean()), 3),
             "psnr_p5": round(float(np.percentile(per_sample, 5)), 3),
             "seconds": round(seconds, 2),
@@ -150,18 +158,32 @@ def embedded_part(samples: int) -> dict:
         }
         print(name, json.dumps({k: v for k, v in results[name].items() if k != "plan"}), flush=True)
     comparisons = {}
-    for b in (0.05, 0.2, 0.35):
-        cal = f"calibrated budget {b}"
-        mean = results[cal]["planned_mean_sparsity"]
-        uniform = min(
-            (n for n in results if n.startswith("uniform")), key=lambda n: abs(float(n.split()[1]) - mean)
+    uniform = [n for n in results if n.startswith("uniform") and "reuse" not in n]
+    for cal in (n for n in results if n.startswith("calibrated")):
+        # the uniform plan whose computed fraction of block pairs is closest: the same attention cost
+        peer = min(
+            uniform,
+            key=lambda n: abs(results[n]["computed_block_pairs"] - results[cal]["computed_block_pairs"]),
         )
-        m, lo, hi = paired_interval(psnr(base, images[cal]) - psnr(base, images[uniform]))
-        comparisons[f"{cal} - {uniform}"] = {
+        m, lo, hi = paired_interval(psnr(base, images[cal]) - psnr(base, images[peer]))
+        comparisons[f"{cal} - {peer}"] = {
             "mean_db": round(m, 3), "ci95_db": [round(lo, 3), round(hi, 3)],
-            "computed_block_pairs": [results[cal]["computed_block_pairs"], results[uniform]["computed_block_pairs"]],
+            "computed_block_pairs": [results[cal]["computed_block_pairs"], results[peer]["computed_block_pairs"]],
         }  # fmt: skip
-    return {"samples": samples, "steps": 28, "plans": results, "calibrated_minus_uniform": comparisons}
+        print(f"{cal} - {peer}", json.dumps(comparisons[f"{cal} - {peer}"]), flush=True)
+    pruned = optimize(None, RecipeConfig("sparse-2-4", [Sparse24Config()], dep), None, eval_samples=0)
+    pruned_images, _ = generate(pruned.pipeline, call, prompts, seeds, samples, "2:4 weights")
+    per_sample = psnr(base, pruned_images)
+    weights = {
+        "mean_weight_rel_l2": pruned.manifest["recipe"]["steps"][0]["result"]["mean_weight_rel_l2"],
+        "psnr_mean": round(float(per_sample.mean()), 3),
+        "psnr_p5": round(float(np.percentile(per_sample, 5)), 3),
+    }
+    print("2:4 weights", json.dumps(weights), flush=True)
+    return {
+        "samples": samples, "steps": 28, "plans": results, "calibrated_minus_uniform": comparisons,
+        "weights_2_4": weights,
+    }  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -53,3 +53,15 @@ def test_sqnr_db_takes_the_reference_first():
     assert metrics.sqnr_db(ref, ref) == np.inf
     assert metrics.sqnr_db(torch.zeros(3), torch.ones(3)) == -np.inf
     assert metrics.ratio_db(25.0, 0.25) == pytest.approx(20.0)
+
+
+def test_student_t_quantiles_and_the_paired_interval():
+    # two-sided 95% critical values from any t table
+    for dof, value in [(1, 12.706), (4, 2.776), (9, 2.262), (19, 2.093), (1000, 1.962)]:
+        assert abs(metrics.student_t_quantile(0.975, dof) - value) < 1e-3
+    assert abs(metrics.student_t_quantile(0.95, 4) - 2.132) < 1e-3
+    mean, low, high = metrics.paired_interval([1.0, 2.0, 3.0, 4.0, 5.0])
+    half = 2.776 * (2.5**0.5) / 5**0.5
+    assert mean == 3.0 and abs(low - (3.0 - half)) < 1e-3 and abs(high - (3.0 + half)) < 1e-3
+    with pytest.raises(ValueError, match="at least two"):
+        metrics.paired_interval([1.0])

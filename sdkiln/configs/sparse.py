@@ -9,7 +9,7 @@ from typing import ClassVar
 from sdkiln.configs.recipe import RecipeStep, register_step
 
 
-def _fraction(name: str, value: float, low: float, high: float, closed_high: bool) -> None:
+def _in_range(name: str, value: float, low: float, high: float, closed_high: bool) -> None:
     ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
     if not ok or value < low or value > high or (value == high and not closed_high):
         raise ValueError(f"{name} must be in [{low}, {high}{']' if closed_high else ')'}, got {value!r}")
@@ -49,18 +49,18 @@ class SparseAttentionConfig(RecipeStep):
     calib_samples: int = 2
 
     def __post_init__(self) -> None:
-        _fraction("budget", self.budget, 0.0, 1.0, True)
+        _in_range("budget", self.budget, 0.0, 1.0, True)
         self.grid = tuple(sorted(float(g) for g in self.grid))
         if not self.grid:
             raise ValueError("grid lists the sparsities calibration chooses from")
         for g in self.grid:
-            _fraction("each grid sparsity", g, 0.0, 1.0, False)
+            _in_range("each grid sparsity", g, 0.0, 1.0, False)
         if self.sparsity is not None and self.mass is not None:
             raise ValueError("give sparsity (uniform top-k) or mass (uniform cumulative mass), not both")
         if self.sparsity is not None:
-            _fraction("sparsity", self.sparsity, 0.0, 1.0, False)
+            _in_range("sparsity", self.sparsity, 0.0, 1.0, False)
         if self.mass is not None:
-            _fraction("mass", self.mass, 0.0, 1.0, True)
+            _in_range("mass", self.mass, 0.0, 1.0, True)
             if self.mass == 0.0:
                 raise ValueError("mass must be positive")
         for name, low in (("head_groups", 1), ("mask_reuse", 1), ("calib_samples", 1)):
@@ -72,7 +72,7 @@ class SparseAttentionConfig(RecipeStep):
             low = 1 if name == "block_size" else 0
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
                 raise ValueError(f"{name} must be None or an integer >= {low}, got {value!r}")
-        _fraction("psnr_floor_db", self.psnr_floor_db, 0.0, 200.0, True)
+        _in_range("psnr_floor_db", self.psnr_floor_db, 0.0, 200.0, True)
 
     @property
     def calibrated(self) -> bool:
@@ -84,8 +84,9 @@ class SparseAttentionConfig(RecipeStep):
 class Sparse24Config(RecipeStep):
     """2:4 weight sparsity (``sdkiln.sparsify.weights``): in every block Linear that is not kept in
     float, of each 4 consecutive input weights of a row the 2 of smallest magnitude become zero, the
-    pattern NVIDIA's sparse tensor cores run. Off by default; its quality cost is measured in
-    ``docs/sparsity.md``. Applied to the float weights before any quantization step."""
+    pattern NVIDIA's sparse tensor cores run. Off by default: without retraining the embedded model
+    reaches only 18.9 dB PSNR against its unpruned self (``docs/sparsity.md``). Applied to the float
+    weights before any quantization step."""
 
     kind: ClassVar[str] = "sparse_2_4"
     order: ClassVar[int] = 5

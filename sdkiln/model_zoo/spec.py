@@ -177,6 +177,10 @@ class ModelSpec:
     """Tokens per block of block-sparse attention at the family's usual resolution (64 or 128 for
     thousands of tokens; fewer for a small test model, so that it has blocks to choose from)."""
 
+    def attention_site(self, name: str) -> AttentionSite | None:
+        """The first attention site whose pattern matches module ``name``; None: not an attention site."""
+        return next((s for s in self.attention if fnmatch.fnmatchcase(name, s.modules)), None)
+
     def is_float_layer(self, name: str) -> bool:
         return any(fnmatch.fnmatchcase(name, pattern) for pattern in self.float_layers)
 

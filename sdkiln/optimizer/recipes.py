@@ -43,8 +43,8 @@ PRESETS: dict[str, Callable[[], list[RecipeStep]]] = {
     "sparse-attn": lambda: [SparseAttentionConfig()],
     **{f"sparse-attn@{s}": (lambda s=s: [SparseAttentionConfig(sparsity=s)]) for s in (0.5, 0.7, 0.8, 0.9)},
 }
-DEFAULT = "quant-auto+cache-auto"
-ALIASES = {"default": DEFAULT}
+ALIASES = {"default": "quant-auto+cache-auto"}
+"""Without a model family; with one, ``default`` is its ``ModelSpec.default_recipe``."""
 
 
 def named_recipes() -> dict[str, Callable[[], list[RecipeStep]]]:

@@ -43,6 +43,7 @@ from sdkiln.runtime.components import (
 )
 from sdkiln.runtime.manifest_schema import expect_dict
 from sdkiln.runtime.package import TRANSFORMER_WEIGHTS, Package, open_package
+from sdkiln.runtime.sparse import restore as sparse_restore
 
 
 def build_transformer(pkg: Package) -> nn.Module:
@@ -195,7 +196,7 @@ def load(
     target = kernels.resolve_device(device)
     pkg = open_package(path, digest=digest)
     sections = restore.sections_of(pkg.manifest)
-    if compile is not None and any(s.name == "sparse_attention" for s in sections):
+    if compile is not None and any(s.name == sparse_restore.NAME for s in sections):
         raise SdkilnError(
             "compile with block-sparse attention is not supported yet: the sparse backend breaks the compiled "
             "graph inside the routed attention processors, which torch.compile does not run correctly yet "

@@ -22,7 +22,6 @@ model as the package will run it.
 
 from __future__ import annotations
 
-import fnmatch
 import functools
 import math
 import time
@@ -64,7 +63,7 @@ class ErrorProbe(SparseAttention):
 
     def __call__(self, call: AttentionCall, head_offset: int = 0) -> torch.Tensor:
         dense = call.native(call.query, call.key, call.value, attn_mask=call.mask, scale=call.scale)
-        if call.name not in self.plan.layers or not self.sparse_site(call):
+        if call.name not in self.plan.layers:  # the plan lists the self-attention layers
             return dense
         step, layout = self.step(), self.layout(call)
         h = call.query.shape[2]
@@ -116,16 +115,6 @@ class ErrorProbe(SparseAttention):
         return layers, chosen_errors
 
 
-def _self_attention_layers(transformer, spec) -> list[str]:
-    """The attention modules the family routes whose keys are not all text (cross-attention stays dense)."""
-    names = []
-    for name, _ in transformer.named_modules():
-        site = next((s for s in spec.attention if fnmatch.fnmatchcase(name, s.modules)), None)
-        if site is not None and site.key_text != "all":
-            names.append(name)
-    return names
-
-
 @register_transform(SparseAttentionConfig)
 def apply_sparse_attention(ctx: TransformContext, config: SparseAttentionConfig) -> TransformResult:
     spec = ctx.spec
@@ -137,9 +126,12 @@ def apply_sparse_attention(ctx: TransformContext, config: SparseAttentionConfig)
     call = ctx.call_kwargs()
     steps = int(call["num_inference_steps"])
     block_size = config.block_size or spec.sparse_block_size
-    names = _self_attention_layers(ctx.transformer, spec)
+    names = [  # self-attention: a cross-attention's keys are all text, which stays dense
+        n for n, _ in ctx.transformer.named_modules()
+        if (site := spec.attention_site(n)) is not None and site.key_text != "all"
+    ]  # fmt: skip
     prompts, seeds = PromptLoop(spec, config.calib_samples, call).plan()
-    frames = _frames(ctx, call, prompts[0])
+    ref_images, frames = _dense_reference(ctx, call, prompts, seeds)
     base = dict(
         block_size=block_size, tile=default_tile(block_size, frames), first_frame_dense=config.first_frame_dense,
         mask_reuse=config.mask_reuse, config_hash=config_hash(ctx.transformer.config),
@@ -177,7 +169,6 @@ def apply_sparse_attention(ctx: TransformContext, config: SparseAttentionConfig)
         selection = "mass" if config.mass is not None else "topk"
         return SparseAttentionPlan(layers=layers, selection=selection, dense_steps=dense_steps, **base), errs
 
-    ref_images, _ = generate(ctx.pipeline, call, prompts, seeds, len(prompts), "dense attention")
     max_dense = config.max_dense_steps if config.max_dense_steps is not None else math.ceil(steps / 4)
     candidates = (
         [config.dense_steps] if config.dense_steps is not None else list(range(min(max_dense, steps - 1) + 1))
@@ -204,10 +195,9 @@ def apply_sparse_attention(ctx: TransformContext, config: SparseAttentionConfig)
             stacklevel=2,
         )
     plan, errs = plan_for(pick["dense_steps"])
+    mode = "calibrated" if probe is not None else "uniform mass" if config.mass is not None else "uniform"
     record |= {
-        "mode": "calibrated"
-        if probe is not None
-        else ("uniform mass" if config.mass is not None else "uniform"),
+        "mode": mode,
         "dense_steps": plan.dense_steps,
         "mean_sparsity": _mean_sparsity(plan, names),
         "layers": plan.layers,
@@ -218,10 +208,8 @@ def apply_sparse_attention(ctx: TransformContext, config: SparseAttentionConfig)
         "seconds": round(time.perf_counter() - started, 1),
     }
     plan.record = record
-    if plan.layers:
-        attach_sparse_attention(
-            ctx.pipeline, spec, plan
-        )  # the rest of the recipe runs it as the package will
+    if plan.layers:  # the rest of the recipe runs it as the package will
+        attach_sparse_attention(ctx.pipeline, spec, plan)
     return TransformResult(
         modules={},
         record={k: v for k, v in record.items() if k not in ("layers", "layer_rel_l1")} | {"plan": PLAN_FILE},
@@ -248,34 +236,20 @@ def _run(ctx: TransformContext, plan: SparseAttentionPlan, call, prompts, seeds)
     return images
 
 
-def _frames(ctx: TransformContext, call: dict[str, Any], prompt: str) -> int:
-    """Latent frames at the deployment call (1 for an image model): read from the transformer's grid
-    argument on one denoising step."""
-    seen: dict[str, int] = {}
-    grid = ctx.spec.token_grid
+def _dense_reference(ctx: TransformContext, call, prompts, seeds) -> tuple[np.ndarray, int]:
+    """The calibration samples' images under dense attention, and the latent frames the transformer
+    saw (1 for an image model; the tile is chosen for them)."""
+    grid, frames = ctx.spec.token_grid, []
 
     def read(module, args, kwargs):
-        value = kwargs.get(grid.arg)
-        if value is not None:
-            seen["frames"] = int(token_coords(grid, value)[:, 0].max()) + 1
-        raise _Stop
+        if not frames and kwargs.get(grid.arg) is not None:
+            frames.append(int(token_coords(grid, kwargs[grid.arg])[:, 0].max()) + 1)
 
     handle = ctx.transformer.register_forward_pre_hook(read, with_kwargs=True)
     try:
-        ctx.pipeline.set_progress_bar_config(disable=True)
-        ctx.pipeline(
-            prompt=prompt,
-            generator=torch.Generator("cpu").manual_seed(0),
-            **{**call, "output_type": "latent"},
-        )
-    except _Stop:
-        pass
+        images, _ = generate(ctx.pipeline, call, prompts, seeds, len(prompts), "dense attention")
     finally:
         handle.remove()
-    if "frames" not in seen:
+    if not frames:
         raise RecipeError(f"sparse_attention: the transformer was called without {grid.arg!r}")
-    return seen["frames"]
-
-
-class _Stop(Exception):
-    """Ends the pipeline call once the transformer's grid argument was read."""
+    return images, frames[0]

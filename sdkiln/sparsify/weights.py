@@ -21,7 +21,7 @@ from sdkiln.optimizer.registry import TransformContext, TransformResult, registe
 
 def prune_2_4(weight: torch.Tensor) -> torch.Tensor:
     """``weight`` [out, in] (in divisible by 4) with the 2 smallest-magnitude of every 4 consecutive
-    input weights of a row set to zero (ties: the earlier one is kept)."""
+    input weights of a row set to zero (among equal magnitudes the earlier is dropped first)."""
     groups = weight.reshape(weight.shape[0], -1, 4)
     drop = groups.abs().argsort(dim=-1, stable=True)[..., :2]
     return groups.scatter(-1, drop, 0.0).reshape(weight.shape)

@@ -50,30 +50,33 @@ def test_recipe_names_and_the_family_default():
 
 
 def test_calibration_chooses_per_layer_sparsity_within_the_budget_and_records_it():
+    """The embedded model at 8 steps: per-layer sparsities within the default 0.05 budget; a floor
+    between what 0 and 1 dense steps give (28.99 and 29.38 dB measured) makes the search take 1."""
+    config = SparseAttentionConfig(psnr_floor_db=29.2)
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # the default floor is met on the embedded model
+        warnings.simplefilter("error")  # the floor is met
         made = optimize(
-            None, RecipeConfig("sa", [SparseAttentionConfig(budget=0.2)], Deployment(num_inference_steps=8)), None,
-            eval_samples=0,
-        )  # fmt: skip
+            None, RecipeConfig("sa", [config], Deployment(num_inference_steps=8)), None, eval_samples=0
+        )
     plan = SparseAttentionPlan.from_dict(made.files[PLAN_FILE])
     record = plan.record
     assert record["mode"] == "calibrated" and record["floor_met"]
-    assert plan.layers and set(plan.layers) <= {
-        n for n, _ in made.pipeline.transformer.named_modules() if n.endswith(".attn")
-    }
+    attention = {n for n, _ in made.pipeline.transformer.named_modules() if n.endswith(".attn")}
+    assert plan.layers and set(plan.layers) <= attention
     assert len({v for vs in plan.layers.values() for v in vs}) > 1  # the layers differ
     for name, errs in record["layer_rel_l1"].items():
-        assert all(0.0 < e <= 0.2 for e in errs), name
+        assert all(0.0 < e <= 0.05 for e in errs), name
     search = record["dense_step_search"]
-    assert search[-1]["dense_steps"] == plan.dense_steps and search[-1]["psnr_mean"] >= 30.0
-    assert all(t["psnr_mean"] < 30.0 for t in search[:-1])  # the fewest dense steps meeting the floor
+    assert [t["dense_steps"] for t in search] == [0, 1] and plan.dense_steps == 1
+    assert search[0]["psnr_mean"] < 29.2 <= search[1]["psnr_mean"]
     assert sparse_attention_of(made.pipeline.transformer) is not None  # the rest of the recipe runs sparse
 
 
 def test_2_4_pruning_keeps_the_two_largest_of_every_four():
     w = torch.tensor([[0.1, -3.0, 2.0, 0.5, 1.0, 1.0, -1.0, 0.0]])
-    assert torch.equal(prune_2_4(w), torch.tensor([[0.0, -3.0, 2.0, 0.0, 1.0, 1.0, 0.0, 0.0]]))
+    assert torch.equal(
+        prune_2_4(w), torch.tensor([[0.0, -3.0, 2.0, 0.0, 0.0, 1.0, -1.0, 0.0]])
+    )  # ties: earlier dropped
     made = optimize("flux-tiny", "sparse-2-4", None, eval_samples=0)
     record = made.manifest["recipe"]["steps"][0]["result"]
     assert record["layers"] and 0.0 < record["mean_weight_rel_l2"] < 1.0

@@ -189,7 +189,7 @@ def route_attention(transformer: nn.Module, spec, backend_name: str = "sdkiln") 
                 )
             route.routed[name] = (module, processor)
     for name, (module, processor) in route.routed.items():
-        site = next(s for s in spec.attention if fnmatch.fnmatchcase(name, s.modules))
+        site = spec.attention_site(name)
         module.processor = _routed_processor(processor, site, name, route)
     route._handle = transformer.register_forward_pre_hook(route.before_call, with_kwargs=True)
     setattr(transformer, ATTRIBUTE, route)

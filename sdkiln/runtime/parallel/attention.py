@@ -10,7 +10,9 @@ which positions are padding.
   into head-split (each rank then holds every token of H/U heads); a replicated text segment needs
   no transfer, each rank takes its heads. With the ring degree 1, attention over the whole sequence
   then runs as the unrouted diffusers processor runs it (``AttentionCall.native``), on keys in the
-  single-device order, so replicated text is bit-for-bit one device's result. The output goes back
+  single-device order, so replicated text is bit-for-bit one device's result. With a block-sparse
+  attention plan (``AttentionCall.sparse``) the plan computes it instead, on the real tokens, told
+  the rank's first global head. The output goes back
   by one all-to-all; the text rows by one all-gather of heads.
 * **Ring** (degree R): the K/V blocks travel around the ring with ``batch_isend_irecv``, two
   buffers, so a block's transfer overlaps the attention over the previous one (``sdkiln::attention``,

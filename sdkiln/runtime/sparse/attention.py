@@ -52,11 +52,18 @@ class SparseAttention:
         self.tracker = tracker
         self.tiling: Tiling | None = None
         self._coords_key: Any = None
-        self._kept: dict[tuple[str, int], tuple[int, Tensor]] = {}
+        self._coords: Tensor | None = None
+        self._held: Tensor | None = None
+        self._layouts: dict[tuple, CallLayout] = {}
+        """(sequence length, text span, device) -> the call layout, for the current tiling."""
+        self._kept: dict[tuple[str, int], tuple[int, Tensor, float]] = {}
+        """(layer, call of the step) -> (the step it was selected at, the kept blocks, their fraction)."""
         self._calls: dict[str, tuple[int, int]] = {}
-        self.stats = {"sparse_calls": 0, "dense_calls": 0, "selections": 0, "kept_block_pairs": 0.0}
-        """Counters: routed calls run sparse and dense, selections made, and the summed kept fraction
-        of the sparse calls (``kept_block_pairs / sparse_calls`` is their mean)."""
+        self.stats = {"sparse_calls": 0, "dense_calls": 0, "selections": 0, "self_attention_calls": 0,
+                      "computed_block_pairs": 0.0}  # fmt: skip
+        """Counters: routed calls run sparse and dense, selections made, self-attention calls (sparse
+        or not), and their summed fraction of block pairs computed (1 for a dense one):
+        ``computed_fraction()``."""
         params = list(inspect.signature(transformer.forward).parameters)
         self._position = params.index(grid.arg) if grid.arg in params else None
         self._handle = transformer.register_forward_pre_hook(self.before_call, with_kwargs=True)
@@ -73,14 +80,20 @@ class SparseAttention:
             raise SdkilnError(
                 f"sparse attention reads the image token grid from {self.grid.arg!r}; this call has none"
             )
-        key = (tuple(value.shape), value.device) if self.grid.layout == "latents" else None
-        if key is not None and key == self._coords_key:
+        # The latents' grid is their shape; ids are read (one copy to the host) only when another
+        # tensor, or a changed one, is passed: pipelines pass the same ids at every step.
+        key = (tuple(value.shape), value.device)
+        if self.grid.layout == "ids":  # an inference tensor keeps no version: it is not changed in place
+            key += (value.data_ptr(), 0 if value.is_inference() else value._version)
+        if key == self._coords_key:
             return
+        self._coords_key, self._held = key, value  # held: its memory cannot be reused by another tensor
         coords = token_coords(self.grid, value)
-        if self.tiling is not None and key is None and torch.equal(coords, self._coords):
+        if self.tiling is not None and torch.equal(coords, self._coords):
             return
-        self._coords, self._coords_key = coords, key
+        self._coords = coords
         self.tiling = tile_order(coords, self.plan.tile, self.plan.first_frame_dense)
+        self._layouts.clear()
         self._kept.clear()
 
     def _ordinal(self, name: str, step: int) -> int:
@@ -94,22 +107,35 @@ class SparseAttention:
         head (Ulysses gives each rank a slice of the heads)."""
         values = self.plan.layers.get(call.name)
         step = self.step()
-        if values is None or not self.sparse_site(call) or step < self.plan.dense_steps:
+        self_attention = self.sparse_site(call)
+        self.stats["self_attention_calls"] += self_attention
+        if values is None or not self_attention or step < self.plan.dense_steps:
             self.stats["dense_calls"] += 1
+            self.stats["computed_block_pairs"] += float(self_attention)
             return call.native(call.query, call.key, call.value, attn_mask=call.mask, scale=call.scale)
         layout = self.layout(call)
         key = (call.name, self._ordinal(call.name, step))
         cached = self._kept.get(key)
-        kept = None
-        if cached is not None and 0 <= step - cached[0] < self.plan.mask_reuse:
-            kept = cached[1] if cached[1].shape[:2] == (call.query.shape[0], call.query.shape[2]) else None
-        out, kept_now = self.compute(call, layout, self.head_values(call, values, head_offset), kept)
-        if kept is None:
-            self._kept[key] = (step, kept_now)
+        reuse = (
+            cached is not None
+            and 0 <= step - cached[0] < self.plan.mask_reuse
+            and cached[1].shape[:2] == (call.query.shape[0], call.query.shape[2])
+        )
+        if reuse:
+            out, _ = self.compute(call, layout, None, cached[1])
+        else:
+            out, kept = self.compute(call, layout, self.head_values(call, values, head_offset))
+            # select_blocks has synchronized with the device already: counting here costs no more
+            cached = self._kept[key] = (step, kept, kept_fraction(kept, layout.blocks))
             self.stats["selections"] += 1
         self.stats["sparse_calls"] += 1
-        self.stats["kept_block_pairs"] += kept_fraction(kept_now, layout.blocks)
+        self.stats["computed_block_pairs"] += cached[2]
         return out
+
+    def computed_fraction(self) -> float:
+        """The fraction of self-attention block pairs computed so far, dense layers and steps included:
+        what attention cost relative to dense attention, up to the selection."""
+        return self.stats["computed_block_pairs"] / max(self.stats["self_attention_calls"], 1)
 
     def step(self) -> int:
         if self.tracker.step is None:
@@ -131,14 +157,21 @@ class SparseAttention:
         return torch.tensor(values, dtype=torch.float32)[heads]
 
     def layout(self, call: AttentionCall) -> CallLayout:
-        """Where the call's tokens go in the tiled order, and which blocks stay dense."""
+        """Where the call's tokens go in the tiled order, and which blocks stay dense: made once per
+        sequence length, text span and device for the current tiling."""
         if call.mask is not None:
             raise SdkilnError(f"{call.name}: sparse attention takes no attention mask")
-        q, k = call.query, call.key
-        if q.shape[1] != k.shape[1] or call.query_text != call.key_text:
+        if call.query.shape[1] != call.key.shape[1] or call.query_text != call.key_text:
             raise SdkilnError(
                 f"{call.name}: sparse attention runs self-attention (queries and keys the same tokens)"
             )
+        key = (call.query.shape[1], call.query_text, call.query.device)
+        if key not in self._layouts:
+            self._layouts[key] = self._new_layout(call)
+        return self._layouts[key]
+
+    def _new_layout(self, call: AttentionCall) -> CallLayout:
+        q = call.query
         tiling, bs, s, text = self.tiling, self.plan.block_size, q.shape[1], call.query_text
         image = torch.cat([torch.arange(0, text.start), torch.arange(text.stop, s)])
         if len(image) != len(tiling.order):
@@ -152,10 +185,10 @@ class SparseAttention:
         if text.stop > text.start:
             dense[text.start // bs : (text.stop - 1) // bs + 1] = True
         dense[image[: tiling.first_frame] // bs] = True
-        return CallLayout(perm.to(q.device), torch.argsort(perm).to(q.device), dense, n)
+        return CallLayout(perm.to(q.device), torch.argsort(perm).to(q.device), dense.to(q.device), n)
 
     def compute(
-        self, call: AttentionCall, layout: CallLayout, values: Tensor, kept: Tensor | None = None
+        self, call: AttentionCall, layout: CallLayout, values: Tensor | None, kept: Tensor | None = None
     ) -> tuple[Tensor, Tensor]:
         """(block-sparse attention output in sequence order, the kept blocks): the blocks selected
         for the heads' ``values`` [H], or ``kept`` when given."""

@@ -50,37 +50,26 @@ class SparseAttentionPlan:
         self.tile = tile
         if self.selection not in SELECTIONS:
             raise ValueError(f"selection is one of {SELECTIONS}, got {self.selection!r}")
-        for name in ("dense_steps", "mask_reuse"):
+        for name, low in (("dense_steps", 0), ("mask_reuse", 1)):
             value = getattr(self, name)
-            if (
-                isinstance(value, bool)
-                or not isinstance(value, int)
-                or value < (1 if name == "mask_reuse" else 0)
-            ):
-                raise ValueError(
-                    f"{name} must be an integer >= {1 if name == 'mask_reuse' else 0}, got {value!r}"
-                )
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
         if not isinstance(self.layers, dict):
             raise ValueError("layers maps attention module names to lists of per-head-group values")
         groups = {len(v) if isinstance(v, list) else 0 for v in self.layers.values()}
         if len(groups) > 1 or 0 in groups:
             raise ValueError("every layer lists one value per head group, the same number of groups")
+        topk = self.selection == "topk"
         for name, values in self.layers.items():
-            for value in values:
-                low_ok = value >= 0.0 if self.selection == "topk" else value > 0.0
-                if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) \
-                        or not low_ok or value > 1.0 or (self.selection == "topk" and value >= 1.0):  # fmt: skip
-                    what = "a sparsity in [0, 1)" if self.selection == "topk" else "a mass in (0, 1]"
-                    raise ValueError(f"layer {name!r}: each value is {what}, got {value!r}")
+            for v in values:
+                number = isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+                if not number or not (0.0 <= v < 1.0 if topk else 0.0 < v <= 1.0):
+                    what = "a sparsity in [0, 1)" if topk else "a mass in (0, 1]"
+                    raise ValueError(f"layer {name!r}: each value is {what}, got {v!r}")
 
     @property
     def head_groups(self) -> int:
         return len(next(iter(self.layers.values()))) if self.layers else 1
-
-    def mean_value(self) -> float:
-        """The layers' mean sparsity (or mass), over layers and head groups alike."""
-        values = [v for vs in self.layers.values() for v in vs]
-        return sum(values) / len(values) if values else 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return {
