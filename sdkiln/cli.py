@@ -69,25 +69,9 @@ def _print_error(message: str) -> None:
 
 
 def _quality_lines(q: dict[str, Any], source: str) -> list[str]:
-    """The quality report as text under a header that says where it comes from (``source``) and on
-    how many samples; a family's own metrics (``ModelSpec.metrics``, reported as ``name`` and
-    ``base_name``) print under their own names."""
-    if not q or "psnr" not in q:
-        return [f"quality, {source}: not measured"]
-    lines = [
-        f"quality vs original, {source} ({q['num_samples']} samples, {q['steps']} steps, "
-        f"guidance {q['guidance']}):",
-        f"  PSNR {q['psnr']:.2f} dB (5th pct {q['psnr_p5']:.2f}, min {q['psnr_min']:.2f})  SSIM {q['ssim']:.4f}  "
-        f"cosine {q['cosine']:.5f}  latent rel-L2 {q['latent_rel_l2']:.4f}",
-    ]
-    for name in q:
-        if f"base_{name}" in q:
-            lines.append(f"  {name}: original {q[f'base_{name}']:#.4g}  optimized {q[name]:#.4g}")
-    if "block_evaluations_ratio" in q:
-        lines.append(
-            f"  cache schedule: {q['block_evaluations_ratio']:.3f}x the block evaluations of the uncached run"
-        )
-    return lines
+    from sdkiln.export.summary import quality_lines
+
+    return quality_lines(q, source)
 
 
 def cmd_optimize(args) -> int:
@@ -147,6 +131,62 @@ def cmd_export_ascend(args) -> int:
     from sdkiln.export.ascend import export_ascend
 
     _print_ascend(export_ascend(args.package, args.out, dtype=args.dtype, force=args.force))
+    return 0
+
+
+def cmd_export_onnx(args) -> int:
+    from sdkiln.export.onnx import export_onnx
+
+    result = export_onnx(
+        args.package,
+        args.out,
+        opset=args.opset,
+        height=args.height,
+        width=args.width,
+        check=not args.no_check,
+        force=args.force,
+    )
+    schemes = ", ".join(f"{n} {s}" for s, n in result.schemes.items()) or "float"
+    print(
+        f"onnx: {result.out}/transformer.onnx (opset {result.opset}; {schemes}; "
+        f"{result.quantization_nodes} QuantizeLinear/DequantizeLinear nodes; {result.seconds} s)"
+    )
+    dynamic = {k: [i for i, d in enumerate(v) if isinstance(d, str)] for k, v in result.inputs.items()}
+    print("  dynamic axes: " + ", ".join(f"{k}{v}" for k, v in dynamic.items()))
+    if result.max_rel_error is not None:
+        print(
+            f"  onnxruntime {result.onnxruntime} (CPU) vs sdkiln runtime: max relative error "
+            f"{result.max_rel_error:.2e} (batch 1: {result.max_rel_error_batch1:.2e})"
+        )
+    for note in result.notes:
+        print(f"  {note}")
+    return 0
+
+
+def cmd_export_diffusers(args) -> int:
+    from sdkiln.export.diffusers_view import export_diffusers
+
+    result = export_diffusers(args.package, args.out, check=not args.no_check, force=args.force)
+    schemes = ", ".join(f"{n} {s}" for s, n in result.schemes.items()) or "float"
+    print(f"diffusers view: {result.out} ({schemes} as torchao {result.torchao}; {result.seconds} s)")
+    if result.max_rel_error is not None:
+        print(
+            f"  plain diffusers vs sdkiln runtime, transformer: max relative error {result.max_rel_error:.2e}"
+        )
+    if result.dropped:
+        print(f"  left out (sdkiln only): {', '.join(result.dropped)}")
+    print(f"  load: DiffusionPipeline.from_pretrained({result.out!r}, torch_dtype=<the package's dtype>)")
+    return 0
+
+
+def cmd_publish(args) -> int:
+    from sdkiln.export.publish import publish
+
+    result = publish(args.package, args.repo, hub=args.hub, private=args.private, license=args.license)
+    print(
+        f"published {args.package} to {result.hub} as {result.repo} ({'private' if result.private else 'public'}, "
+        f"{len(result.files)} files with the model card): {result.url}"
+    )
     return 0
 
 
@@ -341,8 +381,8 @@ def build_parser() -> argparse.ArgumentParser:
         "model",
         nargs="?",
         default=None,
-        help="zoo name (fmnist-flux, flux-tiny, sd3-tiny, wan-tiny) or a local diffusers directory; "
-        "default: the embedded model",
+        help="zoo name (fmnist-flux, flux-tiny, sd3-tiny, wan-tiny), a local diffusers directory or "
+        "modelscope://ORG/NAME; default: the embedded model",
     )
     o.add_argument(
         "--recipe",
@@ -385,7 +425,7 @@ def build_parser() -> argparse.ArgumentParser:
     o.set_defaults(func=cmd_optimize)
 
     r = sub.add_parser("run", help="load a package and generate an image")
-    r.add_argument("package")
+    r.add_argument("package", help="package directory or modelscope://ORG/NAME")
     r.add_argument("--prompt", required=True, action="append", help="repeat for several images")
     r.add_argument("--negative-prompt", default=None)
     r.add_argument("--steps", type=STEPS, default=None)
@@ -460,6 +500,51 @@ def build_parser() -> argparse.ArgumentParser:
     )
     a.add_argument("--force", action="store_true", help="replace an existing --out")
     a.set_defaults(func=cmd_export_ascend)
+
+    x = sub.add_parser(
+        "export-onnx", help="write a package's transformer as ONNX (QDQ) and check it with onnxruntime"
+    )
+    x.add_argument("package")
+    x.add_argument("--out", required=True, help="directory for transformer.onnx and export.json (atomically)")
+    x.add_argument(
+        "--opset",
+        type=_bounded(int, 18, 23),
+        default=None,
+        help="ONNX opset (default: 21 for a quantized package, 18 for a float one; 23 emits native Attention)",
+    )
+    x.add_argument("--height", type=SIZE, default=None, help="example input height (default: the package's)")
+    x.add_argument("--width", type=SIZE, default=None, help="example input width (default: the package's)")
+    x.add_argument("--no-check", action="store_true", help="skip the onnxruntime comparison")
+    x.add_argument("--force", action="store_true", help="replace an existing ONNX export at --out")
+    x.set_defaults(func=cmd_export_onnx)
+
+    d = sub.add_parser(
+        "export-diffusers",
+        help="write a directory plain diffusers loads (W8A8_DYNAMIC, W8A16 as torchao int8)",
+    )
+    d.add_argument("package")
+    d.add_argument("--out", required=True, help="directory to write (atomically)")
+    d.add_argument(
+        "--no-check", action="store_true", help="skip loading it back and comparing with the runtime"
+    )
+    d.add_argument("--force", action="store_true", help="replace an existing diffusers view at --out")
+    d.set_defaults(func=cmd_export_diffusers)
+
+    u = sub.add_parser(
+        "publish",
+        help="upload a package with its model card to ModelScope or Modelers (token from the environment)",
+    )
+    u.add_argument("package")
+    u.add_argument("--repo", required=True, help="ORG/NAME of the model repository (created if missing)")
+    u.add_argument("--hub", choices=["modelscope", "modelers"], default="modelscope")
+    u.add_argument("--private", action="store_true", help="create the repository private")
+    u.add_argument(
+        "--license",
+        default=None,
+        help="the base model's licence id for the card (default: apache-2.0 for sdkiln's own zoo models; "
+        "required for others)",
+    )
+    u.set_defaults(func=cmd_publish)
     return p
 
 

@@ -190,3 +190,14 @@ def atomic_directory(target: Path, *, check: Callable[[Path], None], mode: int =
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
+
+
+def check_export_target(target: Path, force: bool, marker: str, what: str) -> None:
+    """Refuse an existing ``target`` unless ``force`` and it is an earlier export of this kind (it
+    holds ``marker``): ``--force`` never replaces what sdkiln did not write."""
+    if not os.path.lexists(target):
+        return
+    if not force:
+        raise PackageError(f"{target}: already exists; pass --force (force=True) to replace it")
+    if target.is_symlink() or not target.is_dir() or not (target / marker).is_file():
+        raise PackageError(f"{target}: is not {what} ({marker} missing); refusing to replace it")

@@ -81,3 +81,25 @@ def summarize(pkg: Package) -> dict[str, Any]:
             if s["result"].get("weight_rounding") == "gptq"
         },
     }
+
+
+def quality_lines(q: dict[str, Any], source: str) -> list[str]:
+    """The quality report as text under a header that says where it comes from (``source``) and on
+    how many samples; a family's own metrics (``ModelSpec.metrics``, reported as ``name`` and
+    ``base_name``) print under their own names."""
+    if not q or "psnr" not in q:
+        return [f"quality, {source}: not measured"]
+    lines = [
+        f"quality vs original, {source} ({q['num_samples']} samples, {q['steps']} steps, "
+        f"guidance {q['guidance']}):",
+        f"  PSNR {q['psnr']:.2f} dB (5th pct {q['psnr_p5']:.2f}, min {q['psnr_min']:.2f})  SSIM {q['ssim']:.4f}  "
+        f"cosine {q['cosine']:.5f}  latent rel-L2 {q['latent_rel_l2']:.4f}",
+    ]
+    for name in q:
+        if f"base_{name}" in q:
+            lines.append(f"  {name}: original {q[f'base_{name}']:#.4g}  optimized {q[name]:#.4g}")
+    if "block_evaluations_ratio" in q:
+        lines.append(
+            f"  cache schedule: {q['block_evaluations_ratio']:.3f}x the block evaluations of the uncached run"
+        )
+    return lines

@@ -6,6 +6,7 @@ import importlib
 import json
 from pathlib import Path
 
+from sdkiln import hub
 from sdkiln.errors import ModelError, third_party
 from sdkiln.model_zoo.spec import AttentionSite, BlockList, ModelSpec
 
@@ -51,10 +52,14 @@ def _import_class(path: str):
 
 
 def load_model(model: str | None = None):
-    """A zoo name (or None: the embedded model) or a local diffusers directory -> (pipeline, spec, id)."""
+    """A zoo name (or None: the embedded model), a local diffusers directory or a
+    ``modelscope://ORG/NAME`` id (``sdkiln.hub``) -> (pipeline, spec, id)."""
     if model is None or model in _SPEC_MODULES:
         spec = get_spec(model)
         return spec.build(), spec, spec.name
+    if hub.is_hub_id(model):  # modelscope://ORG/NAME: its snapshot, recorded under the id
+        pipe, spec, _ = load_model(str(hub.resolve(model)))
+        return pipe, spec, model
     path = Path(model)
     index = path / "model_index.json"
     if (path / "manifest.json").is_file() and b'"sdkiln-package"' in (path / "manifest.json").read_bytes()[

@@ -21,6 +21,7 @@ from pathlib import Path, PurePosixPath
 from stat import S_ISREG
 from typing import Any
 
+from sdkiln import hub
 from sdkiln.errors import PackageError
 
 FORMAT_NAME = "sdkiln-package"
@@ -31,6 +32,10 @@ QUALITY_REPORT = "eval/quality.json"
 # Only these kinds of file may be in a package: no pickles, no code.
 ALLOWED_SUFFIXES = (".json", ".safetensors", ".txt", ".png")
 MAX_FILES = 10_000
+HUB_FILES = frozenset({"README.md", "configuration.json", ".gitattributes", ".mdl", ".msc", ".mv"})
+"""Files a hub puts at a repository's root beside a published package: the model card, ModelScope's
+``configuration.json``, git's attributes and ModelScope's cache records. Unlisted there, they are
+allowed and never read (``sdkiln publish`` writes the first two; ``docs/security.md``)."""
 MAX_MANIFEST_BYTES = 64 << 20
 MAX_JSON_DEPTH = 64
 # Python refuses integers over 4300 digits with a ValueError; nothing in a package needs more than
@@ -203,16 +208,20 @@ def _read_verified(root_fd: int, rel: str, meta: Any) -> bytearray:
 
 def open_package(root: str | os.PathLike, digest: str | None = None) -> Package:
     """Verify a package completely, then return it with the verified bytes of every file.
+    ``root`` is a directory or a ``modelscope://ORG/NAME`` id (``sdkiln.hub``).
 
     Refuses: a missing or unparseable manifest, another schema version, a manifest that breaks the
     schema (``runtime.manifest_schema``), a digest other than ``digest`` when one is given, symlinks
-    anywhere, files not listed in the manifest, listed paths that leave the package, and any file
+    anywhere, files not listed in the manifest (but a hub's own files at the root, ``HUB_FILES``,
+    which are never read), listed paths that leave the package, and any file
     whose size or sha256 differs from the manifest.
     """
     from sdkiln.runtime.manifest_schema import check_manifest  # it imports this module's constants
 
     if digest is not None:
         check_digest(digest)
+    if hub.is_hub_id(root):  # modelscope://ORG/NAME: its cached (or downloaded) snapshot
+        root = hub.resolve(root)
     root = Path(root)
     if root.is_symlink():
         raise PackageError(f"{root}: the package directory is a symlink; refusing it")
@@ -239,7 +248,7 @@ def open_package(root: str | os.PathLike, digest: str | None = None) -> Package:
             rel = full.relative_to(root).as_posix()
             if full.is_symlink():
                 raise PackageError(f"{rel}: is a symlink; packages may not contain links")
-            if name in filenames and rel != MANIFEST:
+            if name in filenames and rel != MANIFEST and not (rel in HUB_FILES and rel not in listed):
                 on_disk.add(rel)
         if len(on_disk) > MAX_FILES:
             raise PackageError(f"{root}: more than {MAX_FILES} files; not a package")
