@@ -44,13 +44,14 @@ def resolve(source: str, cache_dir: str | os.PathLike | None = None) -> Path:
     rid = repo_id(source)
     require("modelscope", extra="hub", what=f"loading {source}")
     from modelscope import snapshot_download
+    from modelscope_hub.errors import CacheNotFound
 
     # read now: modelscope reads MODELSCOPE_CACHE once, at import
     cache_dir = cache_dir or os.environ.get("MODELSCOPE_CACHE")
     where = {} if cache_dir is None else {"cache_dir": str(cache_dir)}
     try:
         return Path(snapshot_download(rid, local_files_only=True, **where))
-    except Exception as exc:  # modelscope's CacheNotFound (and its kin across versions)
+    except CacheNotFound as exc:
         cached_error = " ".join(str(exc).split())
     if offline():
         raise ModelError(

@@ -26,7 +26,8 @@ MIN_OPSET = 21
 """Blocked QuantizeLinear / DequantizeLinear (the per-token scales) need opset 21."""
 
 
-def _translations() -> dict[Any, Any]:
+def translations() -> dict[Any, Any]:
+    """``custom_translation_table`` for ``torch.onnx.export``: sdkiln op -> its ONNX function."""
     from onnxscript import ir
     from onnxscript import opset21 as op
 
@@ -71,8 +72,3 @@ def _translations() -> dict[Any, Any]:
         ops.quantize_per_tensor_int8.default: quantize_per_tensor_int8,
         ops.w8a8_static_linear.default: w8a8_static_linear,
     }
-
-
-def translation_table() -> dict[Any, Any]:
-    """``custom_translation_table`` for ``torch.onnx.export``: sdkiln op -> its ONNX function."""
-    return _translations()

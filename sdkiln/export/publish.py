@@ -1,15 +1,16 @@
 """``sdkiln publish``: a package to ModelScope or Modelers, with a model card.
 
-The package is verified first (``open_package``), then staged beside itself in a hidden directory
-(hard links to its files where the filesystem allows, copies where not) together with the hub's
-files: ``README.md``, the model card (what was optimized, the recipe, the stored quality report,
+The package is verified first (``open_package``), then its verified bytes (not the files on disk,
+which could change after verification) are written to a fresh temporary directory together with
+the hub's files: ``README.md``, the model card (what was optimized, the recipe, the stored quality report,
 how to load it, the licence inherited from the base model) and ModelScope's ``configuration.json``.
 The stage is uploaded by one function, ``upload`` (modelscope's ``HubApi`` or openMind's
 ``openmind_hub``), which tests replace with a local fake hub. The package directory itself is
 never written: every path, success or failure, leaves it byte-identical, and the stage is removed.
 
 The token comes from the environment (``MODELSCOPE_API_TOKEN`` / ``MODELERS_TOKEN``) and is passed
-to the hub client only: it is never written to disk, and it is scrubbed from any error message.
+to the hub client's calls only (no ``login``, which would store credentials under the home
+directory): sdkiln never writes it, and it is scrubbed from any error message.
 The loader accepts the hub's files at a package's root unlisted (``runtime.package.HUB_FILES``), so
 a downloaded package verifies like any other.
 """
@@ -20,7 +21,7 @@ import json
 import os
 import re
 import shutil
-import uuid
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +33,7 @@ from sdkiln.extras import require
 from sdkiln.hub import REPO_ID
 from sdkiln.model_zoo import spec_names
 from sdkiln.runtime.manifest_schema import check_quality
-from sdkiln.runtime.package import MANIFEST, QUALITY_REPORT, Package, open_package
+from sdkiln.runtime.package import HUB_FILES, MANIFEST, QUALITY_REPORT, Package, open_package
 
 HUBS = {
     "modelscope": {"token": "MODELSCOPE_API_TOKEN", "module": "modelscope", "extra": "hub",
@@ -66,10 +67,9 @@ def upload(folder: Path, repo: str, hub: str, private: bool, token: str) -> str:
     if hub == "modelscope":
         from modelscope.hub.api import HubApi
 
-        api = HubApi()
-        api.login(token)
-        api.create_repo(repo, visibility="private" if private else "public", exist_ok=True)
-        api.upload_folder(repo_id=repo, folder_path=str(folder), commit_message="sdkiln publish")
+        api = HubApi(token=token)
+        api.create_repo(repo, token=token, visibility="private" if private else "public", exist_ok=True)
+        api.upload_folder(repo_id=repo, folder_path=str(folder), token=token, commit_message="sdkiln publish")
     else:
         from openmind_hub import create_repo, upload_folder
 
@@ -208,15 +208,13 @@ def configuration(pkg: Package) -> dict[str, Any]:
 
 
 def stage(pkg: Package, repo: str, license: str, where: Path) -> list[str]:
-    """Fill the empty directory ``where`` with the package's files and the hub's; returns the names."""
+    """Fill the empty directory ``where`` with the package's verified bytes and the hub's files;
+    returns the names."""
+    (where / MANIFEST).write_bytes(pkg.manifest_bytes)
+    for rel in pkg.manifest["files"]:
+        (where / rel).parent.mkdir(parents=True, exist_ok=True)
+        (where / rel).write_bytes(pkg.data(rel))
     files = [MANIFEST, *pkg.manifest["files"]]
-    for rel in files:
-        src, dst = pkg.root / rel, where / rel
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            os.link(src, dst)  # the stage is only read: a link costs nothing and writes nothing
-        except OSError:
-            shutil.copyfile(src, dst)
     (where / CARD).write_text(model_card(pkg, repo, license), encoding="utf-8")
     (where / CONFIGURATION).write_text(json.dumps(configuration(pkg), indent=2) + "\n", encoding="utf-8")
     return sorted([*files, CARD, CONFIGURATION])
@@ -238,6 +236,11 @@ def publish(
     if not isinstance(repo, str) or not REPO_ID.fullmatch(repo) or ".." in repo:
         raise SdkilnError(f"--repo {repo!r}: a repository id is ORG/NAME (letters, digits, _ . -)")
     pkg = open_package(package)
+    own = sorted(HUB_FILES & set(pkg.manifest["files"]))
+    if own:
+        raise SdkilnError(
+            f"the package lists {own[0]} itself, which publishing writes: it cannot be published"
+        )
     license = _license(pkg.manifest, license)
     token = os.environ.get(HUBS[hub]["token"], "").strip()
     if not token:
@@ -247,9 +250,8 @@ def publish(
     if uploader is None:
         require(HUBS[hub]["module"], extra=HUBS[hub]["extra"], what=f"publishing to {hub}")
         uploader = upload
-    staged = pkg.root.parent / f".{pkg.root.name}.publish-{uuid.uuid4().hex[:8]}"
+    staged = Path(tempfile.mkdtemp(prefix="sdkiln-publish-"))  # never inside the package
     try:
-        staged.mkdir(mode=0o700)
         files = stage(pkg, repo, license, staged)
         try:
             url = uploader(staged, repo, hub, private, token)

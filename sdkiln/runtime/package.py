@@ -144,6 +144,8 @@ class Package:
     manifest: dict[str, Any]
     digest: str
     blobs: dict[str, bytearray] = field(repr=False, default_factory=dict)
+    manifest_bytes: bytes = field(repr=False, default=b"")
+    """The manifest as read, whose sha256 is ``digest`` (what a copy of the package must carry)."""
 
     def data(self, rel: str) -> bytearray:
         """The verified bytes of a listed file."""
@@ -264,4 +266,4 @@ def open_package(root: str | os.PathLike, digest: str | None = None) -> Package:
         blobs = {rel: _read_verified(root_fd, rel, meta) for rel, meta in listed.items()}
     finally:
         os.close(root_fd)
-    return Package(root=root, manifest=manifest, digest=found, blobs=blobs)
+    return Package(root=root, manifest=manifest, digest=found, blobs=blobs, manifest_bytes=raw)

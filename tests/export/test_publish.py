@@ -133,6 +133,74 @@ def _missing(*modules, extra, what):
     raise SdkilnError(f"{what} needs {modules[0]}, which is not installed: pip install 'sdkiln[{extra}]'")
 
 
+def test_the_real_upload_passes_the_token_to_each_call_and_stores_nothing(
+    package, cache, monkeypatch, tmp_path
+):
+    """``upload`` with modelscope's client replaced by a recorder: no ``login`` (which would store
+    credentials under the home directory), the token on each call, the stage uploaded whole."""
+    import importlib
+
+    api_module = importlib.import_module("modelscope.hub.api")
+    calls = []
+
+    class Recorder:
+        def __init__(self, token=None, **kwargs):
+            calls.append(("init", token))
+
+        def login(self, *args, **kwargs):
+            raise AssertionError("login stores credentials")
+
+        def create_repo(self, repo_id, **kwargs):
+            calls.append(("create_repo", repo_id, kwargs["token"], kwargs["visibility"]))
+
+        def upload_folder(self, repo_id, folder_path, **kwargs):
+            files = sorted(
+                p.relative_to(folder_path).as_posix() for p in Path(folder_path).rglob("*") if p.is_file()
+            )
+            calls.append(("upload_folder", repo_id, kwargs["token"], files))
+
+    monkeypatch.setattr(api_module, "HubApi", Recorder)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("MODELSCOPE_API_TOKEN", TOKEN)
+    result = publish(package, "org/name", private=True)
+    assert calls[0] == ("init", TOKEN) and calls[1] == ("create_repo", "org/name", TOKEN, "private")
+    assert calls[2][:3] == ("upload_folder", "org/name", TOKEN) and calls[2][3] == result.files
+    assert result.url == "https://www.modelscope.cn/models/org/name"
+    assert not (tmp_path / "home").exists()
+
+
+def test_a_relative_package_path_is_staged_outside_it(package, cache, monkeypatch):
+    monkeypatch.setenv("MODELSCOPE_API_TOKEN", TOKEN)
+    before = tree(Path(package))
+    seen = []
+
+    def upload(folder, repo, hub_name, private, token):
+        seen.append(folder.resolve())
+        raise KeyboardInterrupt  # killed mid-upload: the stage must still be outside the package
+
+    monkeypatch.chdir(package)
+    with pytest.raises(KeyboardInterrupt):
+        publish(".", "org/name", uploader=upload)
+    assert not seen[0].is_relative_to(Path(package).resolve())
+    assert tree(Path(package)) == before
+
+
+def test_a_package_listing_a_hub_file_is_refused(package, tmp_path, monkeypatch):
+    monkeypatch.setenv("MODELSCOPE_API_TOKEN", TOKEN)
+    copy = tmp_path / "pkg"
+    shutil.copytree(package, copy)
+    body = b'{"framework": "mine"}'
+    (copy / CONFIGURATION).write_bytes(body)
+    manifest = json.loads((copy / MANIFEST).read_text())
+    manifest["files"][CONFIGURATION] = {"sha256": hashlib.sha256(body).hexdigest(), "size": len(body)}
+    (copy / MANIFEST).write_text(json.dumps(manifest))
+    open_package(copy)  # listed, it is verified like any file
+    before = tree(copy)
+    with pytest.raises(SdkilnError, match="lists configuration.json itself"):
+        publish(copy, "org/name", uploader=lambda *a: "unused")
+    assert tree(copy) == before
+
+
 def test_cli_publish_without_token_is_one_line(package, cache, monkeypatch, capsys):
     monkeypatch.delenv("MODELSCOPE_API_TOKEN", raising=False)
     assert main(["publish", str(package), "--repo", "org/name"]) == 2
@@ -161,6 +229,11 @@ def test_only_the_hub_files_may_sit_unlisted_in_a_package(package, tmp_path):
         open_package(copy)
     (copy / "notes.md").unlink()
     (copy / CARD).unlink()
+    (copy / CARD).mkdir()  # a directory by a hub file's name holds files nobody listed
+    (copy / CARD / "x").write_text("x")
+    with pytest.raises(PackageError, match="README.md/x"):
+        open_package(copy)
+    shutil.rmtree(copy / CARD)
     os.symlink("/etc/passwd", copy / CARD)
     with pytest.raises(PackageError, match="symlink"):
         open_package(copy)

@@ -62,6 +62,11 @@ class QuantLinear(nn.Module):
     weight_range: ClassVar[tuple[int, int] | None] = None
     ascend_rank: ClassVar[int | None] = None
     ascend_refusal: ClassVar[str] = ""
+    onnx_form: ClassVar[bool] = False
+    """Whether ``sdkiln export-onnx`` writes this scheme (as QDQ, ``sdkiln.export.onnx_ops``)."""
+    torchao_config: ClassVar[str | None] = None
+    """The torchao config class diffusers' torchao backend represents this scheme with, if any
+    (``sdkiln export-diffusers``)."""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

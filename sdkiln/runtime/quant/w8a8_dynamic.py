@@ -42,6 +42,8 @@ class W8A8DynamicLinear(QuantLinear):
     recipe_kind = "w8a8_dynamic"
     weight_range = INT8_WEIGHT_RANGE
     ascend_rank = 3
+    onnx_form = True
+    torchao_config = "Int8DynamicActivationInt8WeightConfig"
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype=torch.float32, device=None):
         super().__init__()

@@ -93,6 +93,7 @@ class W8A8StaticLinear(QuantLinear):
     recipe_kind = "w8a8_static"
     needs_ranges = True
     ascend_rank = 5
+    onnx_form = True
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype=torch.float32, device=None):
         super().__init__()

@@ -69,6 +69,7 @@ class W8A16Linear(_WeightOnlyLinear):
     recipe_kind = "w8a16"
     weight_range = INT8_WEIGHT_RANGE
     ascend_rank = 1
+    torchao_config = "Int8WeightOnlyConfig"
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype=torch.float32, device=None):
         super().__init__()
