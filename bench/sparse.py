@@ -17,6 +17,16 @@ fraction of block pairs each plan realized, and paired Student-t intervals of ca
 uniform PSNR against the uniform plan of the nearest computed fraction of block pairs (dense layers
 and steps counted whole), and the 2:4 weight-sparsity step's PSNR. JSON to
 bench/results/sparse_cpu.json.
+
+Part 3 (``allocation``, not in the default run; its own JSON, bench/results/sparse_allocation_cpu.json):
+does a per-layer allocation beat uniform top-k at *exactly* the same cost? One error probe (the
+calibration's ``ErrorProbe``, on ``--calib-samples`` calibration samples) measures every
+self-attention layer's relative L1 attention error at every keep level of the sequence (1 to n-1 of
+its n key blocks); for each target sparsity the smallest error budget whose per-layer plan keeps, in
+all, no more blocks than uniform top-k at that target gives the minimax plan (each layer as sparse as
+the shared budget allows). Both run on ``--samples`` held-out samples with 2 dense steps; the counters'
+computed fractions are asserted equal, and the paired Student-t interval of minimax minus uniform
+PSNR against dense attention is reported.
 """
 
 from __future__ import annotations
@@ -186,6 +196,95 @@ def embedded_part(samples: int) -> dict:
     }  # fmt: skip
 
 
+def allocation_part(targets: list[float], calib_samples: int, samples: int) -> dict:
+    from sdkiln.calibrate.loop import resolve_loop
+    from sdkiln.model_zoo import get_spec
+    from sdkiln.model_zoo.fingerprint import config_hash
+    from sdkiln.runtime.sparse import SparseAttentionPlan, attach_sparse_attention, detach_sparse_attention
+    from sdkiln.runtime.sparse.attention import SparseAttention
+    from sdkiln.sparsify.attention import ErrorProbe
+
+    spec = get_spec(None)
+    pipe = spec.build()
+    pipe.set_progress_bar_config(disable=True)
+    call = spec.call_kwargs(num_inference_steps=28)
+    names = [
+        x for x, _ in pipe.transformer.named_modules()
+        if (site := spec.attention_site(x)) is not None and site.key_text != "all"
+    ]  # fmt: skip
+    bs = spec.sparse_block_size
+    common = dict(block_size=bs, tile=default_tile(bs, 1), first_frame_dense=True, mask_reuse=1,
+                  config_hash=config_hash(pipe.transformer.config))  # fmt: skip
+    prompts = [spec.eval_prompts[i % len(spec.eval_prompts)] for i in range(samples)]
+    seeds = [1000 + i for i in range(samples)]
+
+    def plan(values, dense_steps=2):
+        layers = dict(zip(names, ([v] for v in values), strict=True))
+        return SparseAttentionPlan(layers=layers, selection="topk", dense_steps=dense_steps, **common)
+
+    blocks = set()
+
+    class Recorder(SparseAttention):  # the number of key blocks n of the deployment's sequence
+        def layout(self, c):
+            lay = super().layout(c)
+            blocks.add(lay.blocks)
+            return lay
+
+    attach_sparse_attention(pipe, spec, plan([0.5] * len(names), 0), Recorder)
+    try:
+        generate(pipe, spec.call_kwargs(num_inference_steps=1), prompts[:1], seeds[:1], 1, "blocks")
+    finally:
+        detach_sparse_attention(pipe.transformer)
+    (n,) = blocks
+    grid = [1 - k / n for k in range(n - 1, 0, -1)]  # every keep level, sparsity ascending
+    started = time.perf_counter()
+    probe = attach_sparse_attention(
+        pipe, spec, plan([0.0] * len(names), 0), functools.partial(ErrorProbe, sparsities=grid, groups=1)
+    )
+    loop, _ = resolve_loop(spec, None, calib_samples, call)
+    try:
+        loop(pipe)
+    finally:
+        detach_sparse_attention(pipe.transformer)
+    probe_s = time.perf_counter() - started
+    dense, _ = generate(pipe, call, prompts, seeds, samples, "dense")
+
+    def run(values):
+        sparse = attach_sparse_attention(pipe, spec, plan(values))
+        try:
+            images, _ = generate(pipe, call, prompts, seeds, samples, "sparse")
+            return psnr(dense, images), sparse.computed_fraction()
+        finally:
+            detach_sparse_attention(pipe.transformer)
+
+    def kept_blocks(budget):
+        layers, _ = probe.choose(budget, 2)
+        values = [layers.get(x, [0.0])[0] for x in names]
+        return sum(math.ceil((1 - v) * n - 1e-6) for v in values), values
+
+    rows = []
+    for target in targets:
+        allowed = math.ceil((1 - target) * n - 1e-6) * len(names)  # uniform top-k's key blocks, all layers
+        low, high = 0.0, 1.0  # the smallest budget whose plan keeps no more blocks than uniform
+        for _ in range(40):
+            mid = (low + high) / 2
+            low, high = (low, mid) if kept_blocks(mid)[0] <= allowed else (mid, high)
+        total, values = kept_blocks(high)
+        uniform, uniform_fraction = run([target] * len(names))
+        minimax, minimax_fraction = run(values)
+        m, lo, hi = paired_interval(minimax - uniform)
+        rows.append({
+            "target": target, "key_blocks": n, "budget": round(high, 5),
+            "plan": dict(zip(names, (round(v, 4) for v in values), strict=True)),
+            "kept_blocks": [total, allowed], "computed_block_pairs": [round(minimax_fraction, 6), round(uniform_fraction, 6)],
+            "psnr_mean": [round(float(minimax.mean()), 3), round(float(uniform.mean()), 3)],
+            "minimax_minus_uniform_db": round(m, 3), "ci95_db": [round(lo, 3), round(hi, 3)],
+        })  # fmt: skip
+        print("allocation", json.dumps(rows[-1]), flush=True)
+    return {"samples": samples, "calib_samples": calib_samples, "steps": 28, "probe_seconds": round(probe_s, 1),
+            "rows": rows}  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[4096, 8192, 16384])
@@ -194,9 +293,21 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--samples", type=int, default=10)
     parser.add_argument(
-        "--parts", nargs="+", default=["attention", "embedded"], choices=["attention", "embedded"]
+        "--parts",
+        nargs="+",
+        default=["attention", "embedded"],
+        choices=["attention", "embedded", "allocation"],
     )
-    parser.add_argument("--out", type=Path, default=RESULTS / "sparse_cpu.json")
+    parser.add_argument("--targets", type=float, nargs="+", default=[0.7, 0.8], help="allocation part")
+    parser.add_argument("--calib-samples", type=int, default=8, help="allocation part")
+    parser.add_argument("--allocation-samples", type=int, default=40, help="allocation part")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="default: bench/results/sparse_cpu.json, or "
+        "sparse_allocation_cpu.json for the allocation part alone",
+    )
     args = parser.parse_args(argv)
     kernels.load_device_kernels("cpu")
     result = {"machine": machine(("torch", "diffusers")), "threads": torch.get_num_threads()}
@@ -204,6 +315,11 @@ def main(argv: list[str] | None = None) -> dict:
         result["attention"] = attention_part(args.tokens, args.sparsities, args.repeats, args.block_size)
     if "embedded" in args.parts:
         result["embedded"] = embedded_part(args.samples)
+    if "allocation" in args.parts:
+        result["allocation"] = allocation_part(args.targets, args.calib_samples, args.allocation_samples)
+    if args.out is None:
+        alone = args.parts == ["allocation"]
+        args.out = RESULTS / ("sparse_allocation_cpu.json" if alone else "sparse_cpu.json")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {args.out}")
