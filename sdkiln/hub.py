@@ -4,8 +4,9 @@ Resolution goes through modelscope's own cache and ``snapshot_download``: first 
 in the cache (``local_files_only=True``, which answers at once: without it an unreachable hub
 costs about 22 s before it fails), then, unless the machine is offline (``HF_HUB_OFFLINE=1`` or
 ``MODELSCOPE_OFFLINE=1``), a download. What comes back is a directory like any other: a package is
-verified by the loader, a base model loaded by diffusers. Used by ``sdkiln optimize`` (base models)
-and ``sdkiln.load`` / ``sdkiln run`` (packages); modelscope comes with the ``[hub]`` extra.
+verified by the loader, a base model loaded by diffusers. ``model_zoo.load_model`` (base models of
+``sdkiln optimize``) and ``runtime.package.open_package`` (every command that reads a package) call
+it; modelscope comes with the ``[hub]`` extra.
 """
 
 from __future__ import annotations
@@ -26,10 +27,15 @@ def is_hub_id(source: object) -> bool:
     return isinstance(source, str) and source.startswith(SCHEME)
 
 
+def valid_repo_id(rid: object) -> bool:
+    """Whether ``rid`` is a hub repository id, ``ORG/NAME`` (the ids publishing and loading take)."""
+    return isinstance(rid, str) and REPO_ID.fullmatch(rid) is not None and ".." not in rid
+
+
 def repo_id(source: str) -> str:
     """``modelscope://ORG/NAME`` -> ``ORG/NAME``; ModelError for anything else after the scheme."""
     rid = source[len(SCHEME) :]
-    if not REPO_ID.fullmatch(rid) or ".." in rid:
+    if not valid_repo_id(rid):
         raise ModelError(f"{source!r}: a ModelScope id is modelscope://ORG/NAME (letters, digits, _ . -)")
     return rid
 

@@ -33,7 +33,7 @@ import torch
 from sdkiln.errors import SdkilnError
 from sdkiln.export.atomic import atomic_directory, check_export_target
 from sdkiln.extras import require
-from sdkiln.runtime.package import MANIFEST, open_package
+from sdkiln.runtime.package import open_package
 from sdkiln.runtime.quant import scheme_classes
 
 REPORT_FILE = "sdkiln_export.json"
@@ -154,7 +154,7 @@ def export_diffusers(
     schemes = _check_package(manifest)
     model = manifest["model"]
     attr = model["transformer_attr"]
-    pipe = load(package, "cpu", digest=pkg.digest)
+    pipe = load(pkg.root, "cpu", digest=pkg.digest)  # the directory verified above
     runtime = getattr(pipe, attr)
     inputs = capture_inputs(pipe, None, None) if check else None
     detach_cache(runtime)  # compared as diffusers runs it: every step computed
@@ -195,10 +195,6 @@ def export_diffusers(
                 seconds=round(time.perf_counter() - started, 1),
                 dropped=dropped,
             )
-            report = asdict(result) | {
-                "package_digest": pkg.digest,
-                "base_id": model["base_id"],
-                "source": MANIFEST,
-            }
+            report = asdict(result) | {"package_digest": pkg.digest, "base_id": model["base_id"]}
             (tmp / REPORT_FILE).write_text(json.dumps(report, indent=1) + "\n")
     return result

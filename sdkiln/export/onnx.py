@@ -127,7 +127,7 @@ class _Positional(torch.nn.Module):
 
 def capture_inputs(pipe, height: int | None, width: int | None) -> dict[str, torch.Tensor]:
     """The transformer's tensor inputs at the first denoising step of a 2-prompt, 1-step call."""
-    transformer = pipe.transformer
+    transformer = getattr(pipe, pipe.sdkiln_manifest["model"]["transformer_attr"])
     captured: dict[str, Any] = {}
 
     def grab(module, args, kwargs):
@@ -207,8 +207,8 @@ def export_onnx(
     pkg = open_package(package)
     schemes = _check_package(pkg.manifest)
     opset = _check_opset(opset, bool(schemes))
-    pipe = load(package, "cpu", digest=pkg.digest)
-    transformer = pipe.transformer
+    pipe = load(pkg.root, "cpu", digest=pkg.digest)  # the directory verified above
+    transformer = getattr(pipe, pkg.manifest["model"]["transformer_attr"])
     inputs = capture_inputs(pipe, height, width)
     detach_cache(transformer)  # the graph is one plain forward; the schedule is the caller's
     names = list(inputs)

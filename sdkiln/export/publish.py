@@ -30,7 +30,7 @@ from typing import Any
 from sdkiln.errors import SdkilnError
 from sdkiln.export.summary import quality_lines, summarize
 from sdkiln.extras import require
-from sdkiln.hub import REPO_ID
+from sdkiln.hub import valid_repo_id
 from sdkiln.model_zoo import spec_names
 from sdkiln.runtime.manifest_schema import check_quality
 from sdkiln.runtime.package import HUB_FILES, MANIFEST, QUALITY_REPORT, Package, open_package
@@ -233,7 +233,7 @@ def publish(
     SdkilnError, one line, for a bad id or hub, a missing token or extra, or a failed upload."""
     if hub not in HUBS:
         raise SdkilnError(f"--hub {hub!r}: one of {', '.join(HUBS)}")
-    if not isinstance(repo, str) or not REPO_ID.fullmatch(repo) or ".." in repo:
+    if not valid_repo_id(repo):
         raise SdkilnError(f"--repo {repo!r}: a repository id is ORG/NAME (letters, digits, _ . -)")
     pkg = open_package(package)
     own = sorted(HUB_FILES & set(pkg.manifest["files"]))
