@@ -69,11 +69,14 @@ demo: setup
 		--prompt "a picture of an ankle boot" --seed 0 --out $(DEMO)/sample.png
 	$(SDKILN) eval $(DEMO)/package --num-samples $(DEMO_SAMPLES) --grid $(DEMO)/original_vs_optimized.png
 
+# Tests run in TEST_JOBS processes (pytest-xdist, one torch thread each, a test file's tests in one
+# process so its module fixtures are built once); TEST_JOBS=0 runs them in this process.
+TEST_JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 test: setup-test dataset
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile
 
 test-all: setup-test dataset
-	$(PY) -m pytest -q --run-slow
+	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile --run-slow
 
 lint: setup-test
 	$(VENV)/bin/ruff check sdkiln tests bench tools

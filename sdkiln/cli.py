@@ -7,6 +7,7 @@ import json
 import os
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -202,6 +203,37 @@ def _save_image(array, path: Path) -> Path:
     return path
 
 
+def _kernel_lines(device_type: str) -> list[str]:
+    """The kernels this machine chooses for ``device_type``: on a CPU, the profile's decisions and
+    the measured times behind them; elsewhere, each op's kernels in the order they are tried."""
+    from sdkiln import kernels
+
+    if device_type == "cpu":
+        from sdkiln.kernels.cpu_profile import PROBE_SHAPE, cpu_profile
+
+        profile = cpu_profile()
+        shape = "x".join(map(str, PROBE_SHAPE))
+        lines = [f"cpu: {profile.info.describe()}, {profile.threads} thread(s)"]
+        lines += [f"  {what}: {choice}  ({why}; at {shape})" for what, choice, why in profile.table()]
+        return lines
+    kernels.load_device_kernels(device_type)
+    lines = [f"{device_type} kernels, in the order tried (then the reference):"]
+    for op in kernels.op_names():
+        names = [k.name for k in kernels.kernels(op, device_type)]
+        if names:
+            lines.append(f"  {op}: {', '.join(names)}")
+    return lines
+
+
+def _print_kernel_counts() -> None:
+    from sdkiln import kernels
+
+    counts = kernels.kernel_counts()
+    print("kernels that ran (op, device: kernel x calls):")
+    for (op, device, name), n in sorted(counts.items()):
+        print(f"  {op}, {device}: {name} x {n}")
+
+
 def cmd_run(args) -> int:
     from sdkiln.kernels import resolve_device
     from sdkiln.runtime import load
@@ -231,11 +263,22 @@ def cmd_run(args) -> int:
             split_text=args.split_text,
             timeout_s=args.timeout,
         )
+    if args.verbose:
+        print("\n".join(_kernel_lines(device.type)))
     try:
         pipe = load(
             args.package, device=device, digest=args.digest, compile=compile_config, parallel=parallel
         )
-        return _generate(args, pipe, prompts, out_path, parallel)
+        for component, dtype in getattr(pipe, "sdkiln_widened", {}).items():
+            print(f"{component}: {dtype} weights computed in float32 (this CPU has no fast {dtype} matmul)")
+        if args.verbose:
+            from sdkiln import kernels
+
+            kernels.reset_kernel_counts()
+        status = _generate(args, pipe, prompts, out_path, parallel)
+        if args.verbose:
+            _print_kernel_counts()
+        return status
     finally:
         if parallel is not None:
             from sdkiln.runtime.parallel import shutdown
@@ -332,6 +375,8 @@ def cmd_inspect(args) -> int:
         )
     print(f"package size: {summary['package_bytes']:,} bytes")
     print("\n".join(_quality_lines(quality, "stored in the package when it was made")))
+    print("on this machine (sdkiln run --device cpu):")
+    print("\n".join("  " + line for line in _kernel_lines("cpu")))
     return 0
 
 
@@ -449,6 +494,12 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument(
         "--cuda-graphs", action="store_true", help="also capture CUDA graphs (implies --compile; CUDA only)"
     )
+    r.add_argument(
+        "--verbose",
+        action="store_true",
+        help="print the device's kernel table (on a CPU: its instruction sets and the products chosen) "
+        "and, after generating, which kernel ran each sdkiln op how often",
+    )
     par = r.add_argument_group(
         "parallel (launch with torchrun --nproc-per-node N -m sdkiln run ...; the degrees multiply to N; docs/parallel.md)"
     )
@@ -548,9 +599,31 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+THIRD_PARTY_LOGGERS = (
+    "torch",
+    "torchao",
+    "diffusers",
+    "transformers",
+    "modelscope",
+    "onnxscript",
+    "accelerate",
+)
+
+
 def _quiet_libraries() -> None:
-    """diffusers and transformers warn on every tiny-model call (truncated prompts, missing
-    torchvision, shard-writing bars); the CLI shows errors only and its own progress."""
+    """sdkiln's commands show sdkiln's progress and results; ``--debug`` shows everything else.
+
+    diffusers and transformers warn on every tiny-model call (truncated prompts, missing
+    torchvision, shard-writing bars); torchao, imported by transformers' quantizers when installed,
+    logs the optional CUDA libraries it cannot load and torch's pytree deprecations on import. Their
+    loggers show errors only, and Python warnings raised outside sdkiln are not shown.
+    """
+    import logging
+
+    for name in THIRD_PARTY_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", module=r"(?!sdkiln\b)")
+
     import diffusers
     import transformers
 

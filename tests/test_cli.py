@@ -1,6 +1,7 @@
 """The CLI end to end on the tiny zoo models: packages load and generate; errors are one line."""
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -45,6 +46,39 @@ def test_packages_load_and_generate(packages, name, tmp_path, capsys):
     png = tmp_path / "out.png"
     assert main(["run", str(packages[name]), "--prompt", "a red cube", "--seed", "1", "--out", str(png)]) == 0
     assert png.stat().st_size > 0
+
+
+def test_run_verbose_prints_the_kernel_table_and_what_ran(packages, tmp_path, capsys):
+    capsys.readouterr()
+    png = tmp_path / "out.png"
+    assert main(["run", str(packages["flux-tiny"]), "--prompt", "a", "--out", str(png), "--verbose"]) == 0
+    out = capsys.readouterr().out
+    from sdkiln.kernels.cpu_profile import cpu_profile
+
+    chosen = cpu_profile().int8_product
+    assert f"int8 x int8 product (w8a8_linear, w8a8_static_linear): {chosen}" in out
+    assert f"  w8a8_linear, cpu: {chosen} x " in out
+    assert "  quantize_per_token_int8, cpu: reference x " in out
+
+
+def test_inspect_ends_with_the_cpu_table(packages, capsys):
+    capsys.readouterr()
+    assert main(["inspect", str(packages["flux-tiny"])]) == 0
+    out = capsys.readouterr().out
+    assert "on this machine (sdkiln run --device cpu):" in out and "int8 x int8 product" in out
+
+
+def test_no_third_party_noise_before_the_error(packages, tmp_path):
+    """With torchao installed (the test extra), `run` on a package with a damaged tokenizer file
+    prints sdkiln's one error line and nothing from torchao or torch's pytree (issue 30: four lines
+    came first)."""
+    bad = tmp_path / "pkg"
+    shutil.copytree(packages["flux-tiny"], bad)
+    tokenizer = next(p for p in sorted(bad.rglob("*")) if p.is_file() and "tokenizer" in p.parent.name)
+    tokenizer.write_bytes(tokenizer.read_bytes()[:-1] + b"!")
+    code, out, err = run_cli("run", str(bad), "--prompt", "a")
+    assert code == 2
+    assert err.strip().count("\n") == 0 and err.startswith("sdkiln: error:"), err
 
 
 def test_inspect_json_reports_quantized_bytes(packages, capsys):

@@ -19,11 +19,13 @@ from sdkiln.kernels.ops.weight_only import weight_only_linear
 from sdkiln.kernels.platform import Platform, current_platform, resolve_device
 from sdkiln.kernels.registry import (
     implementation,
+    kernel_counts,
     kernels,
     load_device_kernels,
     op_names,
     register_kernel,
     remove_kernel,
+    reset_kernel_counts,
 )
 
 __all__ = [
@@ -35,6 +37,7 @@ __all__ = [
     "fp8_quantize_per_token",
     "gelu_tanh",
     "implementation",
+    "kernel_counts",
     "kernels",
     "layer_norm_modulate",
     "layer_norm_modulate_quantize",
@@ -45,6 +48,7 @@ __all__ = [
     "quantize_per_token_int8",
     "register_kernel",
     "remove_kernel",
+    "reset_kernel_counts",
     "resolve_device",
     "rms_norm",
     "rms_norm_quantize",

@@ -20,7 +20,7 @@ its first call.
 For tensors on that device a dispatcher tries the kernels in priority order (ties: first
 registered first) and runs the first that supports the arguments, falling back to the reference.
 ``implementation(op, device_type, *args)`` names what would run, so a test can assert the kernel
-it measured. A device's kernel modules (``Platform.kernel_modules``) are imported only by
+it measured, and ``kernel_counts()`` counts what did run, per op, device and kernel. A device's kernel modules (``Platform.kernel_modules``) are imported only by
 ``load_device_kernels(device_type)``, which the runtime calls for the device it loads onto: never
 ``import sdkiln``, never a device query. A Triton kernel that Inductor should see into is written
 with ``torch.library.triton_op`` and registered here like any other; the compile backend can find
@@ -33,6 +33,7 @@ dispatcher is process-wide, so its bookkeeping here is carried over rather than 
 from __future__ import annotations
 
 import importlib
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -77,6 +78,8 @@ _OPS: dict[str, OpDef] = globals().get("_OPS", {})
 _KERNELS: dict[tuple[str, str], list[Kernel]] = globals().get("_KERNELS", {})
 # (op, device_type) -> the Library that holds its dispatcher, while it has kernels
 _DISPATCHERS: dict[tuple[str, str], torch.library.Library] = globals().get("_DISPATCHERS", {})
+# (op, device_type, kernel or "reference") -> calls, for ``kernel_counts``
+_RAN: Counter = globals().get("_RAN", Counter())
 
 
 def _recompute_autograd(fn: Callable) -> tuple[Callable, Callable]:
@@ -128,7 +131,13 @@ def define(schema: str, *, reference: Callable, fake: Callable, differentiable: 
             raise ValueError(f"{NAMESPACE}::{name} is already defined as {_OPS[name].schema!r}")
         return _OPS[name]
     _LIB.define(schema)
-    _LIB.impl(name, reference, "CompositeExplicitAutograd")
+
+    def counted_reference(*args):
+        device = next((a.device.type for a in args if isinstance(a, Tensor)), "cpu")
+        _RAN[name, device, REFERENCE] += 1
+        return reference(*args)
+
+    _LIB.impl(name, counted_reference, "CompositeExplicitAutograd")
     qualname = f"{NAMESPACE}::{name}"
     torch.library.register_fake(qualname, fake, lib=_LIB)
     setup_context, backward = _recompute_autograd(reference) if differentiable else _no_gradient(name)
@@ -149,11 +158,13 @@ def op_names() -> list[str]:
     return list(_OPS)
 
 
-def _dispatcher(op: OpDef, candidates: list[Kernel]) -> Callable:
+def _dispatcher(op: OpDef, device_type: str, candidates: list[Kernel]) -> Callable:
     def dispatch(*args):
         for kernel in candidates:
             if kernel.accepts(args):
+                _RAN[op.name, device_type, kernel.name] += 1
                 return kernel.fn(*args)
+        _RAN[op.name, device_type, REFERENCE] += 1
         return op.reference(*args)
 
     return dispatch
@@ -181,7 +192,7 @@ def register_kernel(
         candidates.sort(key=lambda k: -k.priority)  # stable: first registered first among equals
         if (op, device_type) not in _DISPATCHERS:
             lib = torch.library.Library(NAMESPACE, "IMPL")
-            lib.impl(op, _dispatcher(_OPS[op], candidates), DISPATCH_KEYS[device_type])
+            lib.impl(op, _dispatcher(_OPS[op], device_type, candidates), DISPATCH_KEYS[device_type])
             _DISPATCHERS[op, device_type] = lib
         return fn
 
@@ -217,6 +228,16 @@ def implementation(op: str, device_type: str, *example_args) -> str:
         if kernel.accepts(example_args) if example_args else kernel.supports is None:
             return kernel.name
     return REFERENCE
+
+
+def kernel_counts() -> dict[tuple[str, str, str], int]:
+    """What ran since the last ``reset_kernel_counts``: (op, device type, kernel name or
+    "reference") -> calls. ``sdkiln run --verbose`` prints it."""
+    return dict(_RAN)
+
+
+def reset_kernel_counts() -> None:
+    _RAN.clear()
 
 
 def load_device_kernels(device_type: str) -> list[str]:

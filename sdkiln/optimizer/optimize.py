@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from sdkiln import kernels
 from sdkiln.configs import Deployment, RecipeConfig
 from sdkiln.export import ascend, write_package
 from sdkiln.export.ascend import AscendExport
@@ -142,6 +143,9 @@ def optimize(
             )
         attr = spec.transformer_attr
         base_transformer = getattr(base, attr)
+        # Calibration, the cache search and the quality report run the quantized model many times:
+        # on the device's kernels, as the runtime will (on a CPU, the int8 product it runs fast).
+        kernels.load_device_kernels(next(base_transformer.parameters()).device.type)
         if format == "ascend":
             recipe = ascend.ascend_recipe(recipe, _dtype_name(base_transformer), ascend_dtype)
         optimized = type(base)(**{**base.components, attr: copy.deepcopy(base_transformer)})

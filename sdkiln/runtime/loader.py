@@ -12,7 +12,9 @@
 7. **parallel**: the device mesh of ``parallel`` (``ParallelConfig``): the process group, the
    sequence split of the family's plan, the attention route, CFG parallel (``runtime.parallel``);
 8. **device**: the device's kernels (``kernels.load_device_kernels``), then the pipeline moves there
-   (on the CPU, tensors left at unaligned addresses of the package's bytes get aligned storage);
+   (on the CPU, tensors left at unaligned addresses of the package's bytes get aligned storage, and
+   16-bit components whose dtype this CPU computes slowly run in fp32: ``runtime.cpu_dtype``,
+   recorded as ``pipe.sdkiln_widened``; not under ``compile``);
 9. **compile**: the transformer, or its repeated blocks, compiled (``CompileConfig``; sdkiln's
    backend fuses diffusers' subgraphs into sdkiln ops, ``runtime.compile``) for the device it is
    on; the runtime's hooks decide outside the compiled region (``runtime.cache.hooks``), so the
@@ -41,6 +43,7 @@ from sdkiln.runtime.components import (
     resolve_class,
     stored_size,
 )
+from sdkiln.runtime.cpu_dtype import widen_slow_dtypes
 from sdkiln.runtime.manifest_schema import expect_dict
 from sdkiln.runtime.package import TRANSFORMER_WEIGHTS, Package, open_package
 from sdkiln.runtime.sparse import restore as sparse_restore
@@ -210,7 +213,10 @@ def load(
     target = _parallel(ctx, parallel, target)
     kernels.load_device_kernels(target.type)
     ctx.pipeline.to(target)
+    ctx.pipeline.sdkiln_widened = {}
     if target.type == "cpu":
         _align_on_cpu(ctx.pipeline)
+        if compile is None:
+            ctx.pipeline.sdkiln_widened = widen_slow_dtypes(ctx.pipeline)
     _compile(ctx, compile)
     return ctx.pipeline

@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from sdkiln.kernels.cpu_profile import cpu_profile
+
 INT8_SQNR_FLOOR_DB = 20.0
 _BENCH = Path(__file__).resolve().parents[2] / "bench"
 
@@ -32,6 +34,9 @@ e2e = _load("bench_e2e", "e2e.py")
 cases = _load("kernel_cases", "kernel_cases.py")  # the modules the benches import, not copies
 timing = _load("timing", "timing.py")
 
+_INT8 = cpu_profile().int8_product
+CPU_KERNELS = {"block_sparse_attention": "flash_gather", "w8a8_linear": _INT8, "w8a8_static_linear": _INT8}
+"""The CPU kernels that run in place of the reference (``sdkiln.kernels.cpu``)."""
 KERNEL_OPS = (
     "rms_norm",
     "layer_norm_modulate_quantize",
@@ -76,9 +81,11 @@ def test_kernels_rows_say_which_kernel_ran_and_rate_it(kernel_report):
     _, written = kernel_report
     for row in written["rows"]:
         assert "error" not in row, row
-        # the CPU runs every op's reference but block-sparse attention's gather + flash kernel
-        cpu_kernel = "flash_gather" if row["op"] == "block_sparse_attention" else "reference"
-        assert row["kernel"] and set(row["kernel"].values()) == {cpu_kernel}, row["kernel"]
+        # the CPU runs every op's reference but block-sparse attention's gather + flash kernel and
+        # the int8 linears' product chosen for this processor
+        assert row["kernel"] and row["kernel"] == {
+            op: CPU_KERNELS.get(op, "reference") for op in row["kernel"]
+        }, row["kernel"]
         ours, eager = row["results"]["ours"], row["results"]["eager"]
         assert ours["ms"] > 0 and eager["ms"] > 0 and ours["calls"] >= 2
         assert eager["over_ours"] == pytest.approx(eager["ms"] / ours["ms"])
@@ -171,7 +178,9 @@ def test_e2e_rows_time_compare_and_name_kernels(e2e_report):
             assert 0 < row["rel_error"] < 0.1 and row["sqnr_db"] > INT8_SQNR_FLOOR_DB
             n = row["quantized_layers"]
             assert n == len(m["layer_input_shapes"])
-            assert all(counts == {"reference": n} for counts in row["kernels"].values()), row["kernels"]
+            assert all(
+                counts == {CPU_KERNELS.get(op, "reference"): n} for op, counts in row["kernels"].items()
+            ), row["kernels"]
         assert set(rows["ours-w8a8-ref"]["kernels"]) == {"quantize_per_token_int8", "w8a8_linear"}
         assert set(rows["ours-fp8-ref"]["kernels"]) == {"fp8_quantize_per_token", "fp8_linear"}
         assert rows["ours-w8a8-eager"]["status"] == "skipped" and rows["ours-w8a8-eager"]["reason"]

@@ -49,11 +49,13 @@ def int8_matmul_fp32_chunks(a: Tensor, b: Tensor) -> Tensor:
 
 
 def int8_matmul(a: Tensor, b: Tensor) -> Tensor:
-    """Exact ``a @ b.T`` for int8 a [M, K] and b [N, K], as int32.
+    """Exact ``a @ b.T`` for int8 a [M, K] and b [N, K], as int32: what the references use.
 
-    On CPU this is ``torch._int_mm``, exact for every shape and faster than an fp32 matmul
-    (docs/benchmarks.md); elsewhere it is ``int8_matmul_fp32_chunks`` (``_int_mm`` on CUDA has shape limits, and
-    NPUs lack it). Plain ``int8 @ int8`` wraps around in int8 and is never used.
+    On CPU this is ``torch._int_mm``, exact for every shape; elsewhere ``int8_matmul_fp32_chunks``
+    (``_int_mm`` on CUDA has shape limits, and NPUs lack it). The CPU kernels
+    (``sdkiln.kernels.cpu.int8``) choose whichever of the two is faster on the processor: the
+    reference is the oracle, not the speed path. Plain ``int8 @ int8`` wraps around in int8 and is
+    never used.
     """
     if a.device.type == "cpu":
         return torch._int_mm(a, b.T)
@@ -96,9 +98,15 @@ def w8a8_linear_reference(
     rounding to out_dtype. Every step is correctly rounded, so the result is bit-reproducible and a
     row does not depend on which other rows are in the batch.
     """
+    return w8a8_linear_with(int8_matmul, x_q, x_scale, weight, weight_scale, bias, out_dtype)
+
+
+def w8a8_linear_with(product, x_q, x_scale, weight, weight_scale, bias, out_dtype) -> Tensor:
+    """``w8a8_linear_reference`` with another exact int8 product ``product(a, b) -> a @ b.T`` (int32,
+    or a float tensor holding the exact integers): the same bits whichever exact product runs."""
     check_w8a8_linear(x_q, x_scale, weight, weight_scale)
     lead = x_q.shape[:-1]
-    acc = int8_matmul(x_q.reshape(-1, x_q.shape[-1]), weight)
+    acc = product(x_q.reshape(-1, x_q.shape[-1]), weight)
     y = acc.float() * x_scale.reshape(-1, 1)
     y = y * weight_scale.reshape(1, -1)
     if bias is not None:
@@ -162,9 +170,14 @@ def w8a8_static_linear_reference(
     sum cannot overflow. Then one conversion to fp32, one multiplication by ``deq_scale`` and one
     rounding to out_dtype, so the result is bit-reproducible.
     """
+    return w8a8_static_linear_with(int8_matmul, x_q, weight, deq_scale, quant_bias, out_dtype)
+
+
+def w8a8_static_linear_with(product, x_q, weight, deq_scale, quant_bias, out_dtype) -> Tensor:
+    """``w8a8_static_linear_reference`` with another exact int8 product (see ``w8a8_linear_with``)."""
     check_w8a8_static_linear(x_q, weight, deq_scale, quant_bias)
     lead = x_q.shape[:-1]
-    acc = int8_matmul(x_q.reshape(-1, x_q.shape[-1]), weight) + quant_bias
+    acc = product(x_q.reshape(-1, x_q.shape[-1]), weight).to(torch.int32) + quant_bias
     y = acc.float() * deq_scale
     return contiguous_as(y, out_dtype).reshape(*lead, weight.shape[0])
 

@@ -1,0 +1,214 @@
+"""The CPU as a device: each quantized layer of the embedded model against its fp32 Linear, per
+int8 kernel; per-op time of a generation, float package vs default package; and `sdkiln run`'s
+wall time for both packages side by side in one process.
+
+    python bench/cpu.py [--package build/demo/package] [--float-package build/bench_cpu/float]
+
+The default package is `make demo`'s; the float package (recipe ``none``) is made when missing.
+Results go to ``bench/results/cpu_<cpu>.json``, named by the CPU's model and whether it has an int8
+dot-product instruction set; the JSON names the CPU, its ISA, the thread count and the profile's
+measured products. Timings are medians of alternating rounds (each package goes first in half), so
+a load on the other core skews both alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+from timing import RESULTS, device_info  # noqa: E402
+
+from sdkiln import kernels  # noqa: E402
+from sdkiln.kernels import cpu_profile as cp  # noqa: E402
+from sdkiln.runtime import load  # noqa: E402
+from sdkiln.runtime.quant import QuantLinear  # noqa: E402
+
+PROMPTS = ["a photo of a sneaker", "a pair of trousers", "a picture of an ankle boot"]
+
+
+def median_ms(fn, reps: int) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def forcing(product: str) -> cp.CpuProfile:
+    """This machine's profile with timings that make the kernels choose ``product``."""
+    real = cp.cpu_profile()
+    timings = {**real.timings_ms, **{f"int8:{p}": (0.0 if p == product else 1.0) for p in cp.INT8_PRODUCTS}}
+    return cp.CpuProfile(real.info, real.threads, timings)
+
+
+def layer_inputs(pipe, attr: str) -> dict[str, torch.Tensor]:
+    """One denoising step's input to every quantized layer (the first call of each)."""
+    seen: dict[str, torch.Tensor] = {}
+    handles = [
+        m.register_forward_pre_hook(
+            lambda mod, args, name=name: seen.setdefault(name, args[0].detach().clone())
+        )
+        for name, m in getattr(pipe, attr).named_modules()
+        if isinstance(m, QuantLinear)
+    ]
+    pipe(
+        prompt=PROMPTS[0], num_inference_steps=1, output_type="np", generator=torch.Generator().manual_seed(0)
+    )
+    for h in handles:
+        h.remove()
+    return seen
+
+
+def bench_layers(pipe, float_pipe, attr: str, reps: int) -> list[dict]:
+    quant_mods = dict(getattr(pipe, attr).named_modules())
+    float_mods = dict(getattr(float_pipe, attr).named_modules())
+    rows = []
+    real_profile = cp.cpu_profile
+    with torch.no_grad():
+        for name, x in layer_inputs(pipe, attr).items():
+            q, f = quant_mods[name], float_mods[name]
+            assert isinstance(f, nn.Linear), name
+            row = {
+                "layer": name,
+                "scheme": q.scheme,
+                "shape_MxKxN": [x.numel() // x.shape[-1], f.in_features, f.out_features],
+                "fp32_linear_ms": median_ms(lambda f=f, x=x: f(x), reps),
+            }
+            for product in cp.INT8_PRODUCTS:
+                forced = forcing(product)
+                cp.cpu_profile = lambda forced=forced: forced
+                try:
+                    row[f"{product}_ms"] = median_ms(lambda q=q, x=x: q(x), reps)
+                finally:
+                    cp.cpu_profile = real_profile
+            chosen = real_profile().int8_product
+            row["chosen"] = chosen
+            row["chosen_vs_fp32"] = row[f"{chosen}_ms"] / row["fp32_linear_ms"]
+            rows.append(row)
+    return rows
+
+
+def op_table(pipe, steps: int, top: int) -> list[dict]:
+    """Self CPU time per aten/sdkiln op over one prompt, per denoising step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        pipe(
+            prompt=PROMPTS[0],
+            num_inference_steps=steps,
+            output_type="np",
+            generator=torch.Generator().manual_seed(0),
+        )
+    events = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+    total = sum(e.self_cpu_time_total for e in events)
+    return [
+        {
+            "op": e.key,
+            "ms_per_step": e.self_cpu_time_total / 1e3 / steps,
+            "calls_per_step": e.count / steps,
+            "share": e.self_cpu_time_total / total,
+        }
+        for e in events[:top]
+    ]
+
+
+def end_to_end(pipes: dict, steps: int, rounds: int) -> dict:
+    times: dict[str, list[float]] = {name: [] for name in pipes}
+    order = list(pipes)
+    for r in range(rounds):
+        for name in order if r % 2 == 0 else order[::-1]:
+            start = time.perf_counter()
+            for i, prompt in enumerate(PROMPTS):
+                pipes[name](
+                    prompt=prompt,
+                    num_inference_steps=steps,
+                    output_type="np",
+                    generator=torch.Generator().manual_seed(i),
+                )
+            times[name].append(time.perf_counter() - start)
+    med = {name: statistics.median(t) for name, t in times.items()}
+    return {
+        "steps": steps,
+        "prompts": len(PROMPTS),
+        "rounds": rounds,
+        "seconds": times,
+        "median_seconds": med,
+        "float_over_package": med["float"] / med["package"],
+    }
+
+
+def result_name(profile: cp.CpuProfile) -> str:
+    cpu = re.sub(r"[^a-z0-9]+", "-", profile.info.name.lower()).strip("-")
+    dot = "vnni" if profile.info.features & cp.INT8_FAST_ISA else "no-vnni"
+    return f"cpu_{cpu}_{dot}.json"
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--package", default=str(ROOT / "build/demo/package"))
+    parser.add_argument("--float-package", default=str(ROOT / "build/bench_cpu/float"))
+    parser.add_argument("--steps", type=int, default=28)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--layer-reps", type=int, default=30)
+    parser.add_argument("--out", default=None, help="JSON path (default: bench/results/cpu_<cpu>.json)")
+    args = parser.parse_args(argv)
+    if not Path(args.package).is_dir():
+        parser.error(f"--package {args.package}: not found; run `make demo` first or pass a package")
+    if not Path(args.float_package).is_dir():
+        from sdkiln.optimizer import optimize
+
+        print(f"making the float package at {args.float_package}")
+        optimize(None, "none", args.float_package, eval_samples=0, force=True)
+    profile = cp.cpu_profile()
+    print(
+        f"cpu: {profile.info.describe()}, {profile.threads} thread(s); int8 product: {profile.int8_product}"
+    )
+    pipes = {"float": load(args.float_package, "cpu"), "package": load(args.package, "cpu")}
+    for p in pipes.values():
+        p.set_progress_bar_config(disable=True)
+    attr = pipes["package"].sdkiln_manifest["model"]["transformer_attr"]
+    layers = bench_layers(pipes["package"], pipes["float"], attr, args.layer_reps)
+    for row in layers:
+        print(
+            f"  {row['layer']:<42} {row['scheme']:<13} {'x'.join(map(str, row['shape_MxKxN'])):>13}  fp32 "
+            f"{row['fp32_linear_ms']:.3f} ms  int_mm {row['int_mm_ms']:.3f}  fp32_chunks {row['fp32_chunks_ms']:.3f}"
+            f"  chosen {row['chosen']} {row['chosen_vs_fp32']:.2f}x"
+        )
+    ops = {name: op_table(p, args.steps, 15) for name, p in pipes.items()}
+    e2e = end_to_end(pipes, args.steps, args.rounds)
+    print(
+        f"sdkiln run, {len(PROMPTS)} prompts x {args.steps} steps: float {e2e['median_seconds']['float']:.2f} s, "
+        f"package {e2e['median_seconds']['package']:.2f} s ({e2e['float_over_package']:.2f}x faster)"
+    )
+    result = {
+        "device": device_info(torch.device("cpu")),
+        "cpu_profile": profile.to_dict(),
+        "packages": {"float": args.float_package, "package": args.package},
+        "layers": layers,
+        "worst_chosen_vs_fp32": max((r["chosen_vs_fp32"] for r in layers), default=None),
+        "ops_per_step": ops,
+        "end_to_end": e2e,
+    }
+    out = Path(args.out) if args.out else RESULTS / result_name(profile)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {out}")
+    return result
+
+
+if __name__ == "__main__":
+    kernels.load_device_kernels("cpu")
+    main()
