@@ -31,20 +31,11 @@ from timing import RESULTS, device_info  # noqa: E402
 
 from sdkiln import kernels  # noqa: E402
 from sdkiln.kernels import cpu_profile as cp  # noqa: E402
+from sdkiln.kernels.cpu_profile import median_ms  # noqa: E402
 from sdkiln.runtime import load  # noqa: E402
 from sdkiln.runtime.quant import QuantLinear  # noqa: E402
 
 PROMPTS = ["a photo of a sneaker", "a pair of trousers", "a picture of an ankle boot"]
-
-
-def median_ms(fn, reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
 
 
 def forcing(product: str) -> cp.CpuProfile:

@@ -75,11 +75,20 @@ def run_logged(cmd: list[str], cwd: Path, log: Path, env: dict[str, str]) -> flo
 
 
 def machine(checkout: Path) -> dict[str, Any]:
-    """Cores, CPU model, and the torch the checkout's .venv runs."""
-    cpu = "unknown CPU"
-    if Path("/proc/cpuinfo").is_file():
-        names = [ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("model name")]
-        cpu = names[0].split(":", 1)[1].strip() if names else cpu
+    """Cores, CPU model and the instruction sets that decide sdkiln's CPU kernels, and the torch the
+    checkout's .venv runs."""
+    isa = subprocess.run(
+        [
+            str(checkout / ".venv" / "bin" / "python"),
+            "-c",
+            "from sdkiln.kernels.cpu_profile import read_cpu_info as r; i = r(); "
+            "print(i.name); print(' '.join(sorted(i.features)) or 'none')",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.splitlines()
+    cpu = f"{isa[0]}; {isa[1]}"
     torch = subprocess.run(
         [
             str(checkout / ".venv" / "bin" / "python"),

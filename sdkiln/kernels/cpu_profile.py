@@ -148,7 +148,8 @@ def read_cpu_info() -> CpuInfo:
     return CpuInfo(name, platform.machine(), features, torch.backends.cpu.get_cpu_capability())
 
 
-def _median_ms(fn, reps: int = 3) -> float:
+def median_ms(fn, reps: int = 3) -> float:
+    """Median milliseconds of ``reps`` calls of ``fn`` after one warm-up call."""
     fn()
     times = []
     for _ in range(reps):
@@ -167,12 +168,12 @@ def measure_products() -> dict[str, float]:
     a = torch.randint(-127, 128, (m, k), dtype=torch.int8, generator=gen)
     b = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen)
     timings = {
-        "int8:int_mm": _median_ms(lambda: torch._int_mm(a, b.T)),
-        "int8:fp32_chunks": _median_ms(lambda: int8_matmul_fp32_chunks(a, b)),
+        "int8:int_mm": median_ms(lambda: torch._int_mm(a, b.T)),
+        "int8:fp32_chunks": median_ms(lambda: int8_matmul_fp32_chunks(a, b)),
     }
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         x, w = a.to(dtype), b.to(dtype)
-        timings[f"matmul:{str(dtype).removeprefix('torch.')}"] = _median_ms(lambda x=x, w=w: x @ w.T)
+        timings[f"matmul:{str(dtype).removeprefix('torch.')}"] = median_ms(lambda x=x, w=w: x @ w.T)
     return timings
 
 
