@@ -11,6 +11,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from sdkiln.cli_export import add_export_parsers, print_ascend
 from sdkiln.errors import ModelError, SdkilnError, failures_outside_sdkiln
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff")
@@ -25,7 +26,7 @@ class _Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
-def _bounded(kind: type, lo: float, hi: float):
+def bounded(kind: type, lo: float, hi: float):
     """An argparse type: ``kind`` (int or float) within [lo, hi]; NaN is never within."""
 
     def parse(text: str):
@@ -42,13 +43,13 @@ def _bounded(kind: type, lo: float, hi: float):
     return parse
 
 
-STEPS = _bounded(int, 1, 1000)
-SIZE = _bounded(int, 8, 4096)
-GUIDANCE = _bounded(float, 0.0, 100.0)
-SEED = _bounded(int, 0, 2**63 - 1_000_000)  # image i uses seed + i
-SAMPLES = _bounded(int, 1, 10_000)
-DEGREE = _bounded(int, 1, 1024)
-TIMEOUT = _bounded(float, 1.0, 86_400.0)
+STEPS = bounded(int, 1, 1000)
+SIZE = bounded(int, 8, 4096)
+GUIDANCE = bounded(float, 0.0, 100.0)
+SEED = bounded(int, 0, 2**63 - 1_000_000)  # image i uses seed + i
+SAMPLES = bounded(int, 1, 10_000)
+DEGREE = bounded(int, 1, 1024)
+TIMEOUT = bounded(float, 1.0, 86_400.0)
 
 
 def _text(value: str, what: str) -> str:
@@ -102,92 +103,7 @@ def cmd_optimize(args) -> int:
     print("\n".join(_quality_lines(result.quality or {}, "measured now and stored in the package")))
     print(f"package: {result.package}  ({time.perf_counter() - t0:.1f} s)")
     if result.ascend is not None:
-        _print_ascend(result.ascend)
-    return 0
-
-
-def _print_ascend(export) -> None:
-    layers = ", ".join(f"{n} {s}" for s, n in sorted(export.schemes.items()))
-    print(f"ascend ({export.model_quant_type}; {layers}): {export.description}")
-    print(f"  {export.weights}")
-    if export.regridded:
-        print(
-            f"  {export.regridded} W8A8 layers' scales rounded for this dtype (a package from an older sdkiln): "
-            "MindIE SD computes them slightly differently from the package's measurements"
-        )
-    policy = export.timestep_policy
-    if policy:
-        k, t = policy["dynamic_steps"], policy["num_steps"]
-        if k < t:
-            print(
-                f"  W8A8_TIMESTEP: run exactly {t} steps, calling TimestepManager.set_timestep_idx(i) before "
-                "step i, with this MindIE SD TimestepPolicyConfig (docs/ascend.md):"
-            )
-            print(f'  policy.register(list(range({k}, {t})), "static", target="w8a8_static_linear")')
-        else:
-            print(f"  W8A8_TIMESTEP: all {t} steps run dynamic, MindIE SD's default: no timestep policy")
-
-
-def cmd_export_ascend(args) -> int:
-    from sdkiln.export.ascend import export_ascend
-
-    _print_ascend(export_ascend(args.package, args.out, dtype=args.dtype, force=args.force))
-    return 0
-
-
-def cmd_export_onnx(args) -> int:
-    from sdkiln.export.onnx import export_onnx
-
-    result = export_onnx(
-        args.package,
-        args.out,
-        opset=args.opset,
-        height=args.height,
-        width=args.width,
-        check=not args.no_check,
-        force=args.force,
-    )
-    schemes = ", ".join(f"{n} {s}" for s, n in result.schemes.items()) or "float"
-    print(
-        f"onnx: {result.out}/transformer.onnx (opset {result.opset}; {schemes}; "
-        f"{result.quantization_nodes} QuantizeLinear/DequantizeLinear nodes; {result.seconds} s)"
-    )
-    dynamic = {k: [i for i, d in enumerate(v) if isinstance(d, str)] for k, v in result.inputs.items()}
-    print("  dynamic axes: " + ", ".join(f"{k}{v}" for k, v in dynamic.items()))
-    if result.max_rel_error is not None:
-        print(
-            f"  onnxruntime {result.onnxruntime} (CPU) vs sdkiln runtime: max relative error "
-            f"{result.max_rel_error:.2e} (batch 1: {result.max_rel_error_batch1:.2e})"
-        )
-    for note in result.notes:
-        print(f"  {note}")
-    return 0
-
-
-def cmd_export_diffusers(args) -> int:
-    from sdkiln.export.diffusers_view import export_diffusers
-
-    result = export_diffusers(args.package, args.out, check=not args.no_check, force=args.force)
-    schemes = ", ".join(f"{n} {s}" for s, n in result.schemes.items()) or "float"
-    print(f"diffusers view: {result.out} ({schemes} as torchao {result.torchao}; {result.seconds} s)")
-    if result.max_rel_error is not None:
-        print(
-            f"  plain diffusers vs sdkiln runtime, transformer: max relative error {result.max_rel_error:.2e}"
-        )
-    if result.dropped:
-        print(f"  left out (sdkiln only): {', '.join(result.dropped)}")
-    print(f"  load: DiffusionPipeline.from_pretrained({result.out!r}, torch_dtype=<the package's dtype>)")
-    return 0
-
-
-def cmd_publish(args) -> int:
-    from sdkiln.export.publish import publish
-
-    result = publish(args.package, args.repo, hub=args.hub, private=args.private, license=args.license)
-    print(
-        f"published {args.package} to {result.hub} as {result.repo} ({'private' if result.private else 'public'}, "
-        f"{len(result.files)} files with the model card): {result.url}"
-    )
+        print_ascend(result.ascend)
     return 0
 
 
@@ -204,20 +120,20 @@ def _save_image(array, path: Path) -> Path:
 
 
 def _kernel_lines(device_type: str) -> list[str]:
-    """The kernels this machine chooses for ``device_type``: on a CPU, the profile's decisions and
-    the measured times behind them; elsewhere, each op's kernels in the order they are tried."""
+    """What this machine runs the sdkiln ops with on ``device_type``: each op's kernels in the order
+    they are tried and, on a CPU, the profile's decisions with the measured times behind them."""
     from sdkiln import kernels
 
+    lines = []
     if device_type == "cpu":
         from sdkiln.kernels.cpu_profile import PROBE_SHAPE, cpu_profile
 
         profile = cpu_profile()
         shape = "x".join(map(str, PROBE_SHAPE))
-        lines = [f"cpu: {profile.info.describe()}, {profile.threads} thread(s)"]
-        lines += [f"  {what}: {choice}  ({why}; at {shape})" for what, choice, why in profile.table()]
-        return lines
+        lines += [f"cpu: {profile.info.describe()}, {profile.threads} thread(s); products timed at {shape}"]
+        lines += [f"  {what}: {choice}  ({why})" for what, choice, why in profile.table()]
     kernels.load_device_kernels(device_type)
-    lines = [f"{device_type} kernels, in the order tried (then the reference):"]
+    lines.append(f"{device_type} kernels, in the order tried (then the reference):")
     for op in kernels.op_names():
         names = [k.name for k in kernels.kernels(op, device_type)]
         if names:
@@ -225,17 +141,8 @@ def _kernel_lines(device_type: str) -> list[str]:
     return lines
 
 
-def _print_kernel_counts() -> None:
-    from sdkiln import kernels
-
-    counts = kernels.kernel_counts()
-    print("kernels that ran (op, device: kernel x calls):")
-    for (op, device, name), n in sorted(counts.items()):
-        print(f"  {op}, {device}: {name} x {n}")
-
-
 def cmd_run(args) -> int:
-    from sdkiln.kernels import resolve_device
+    from sdkiln import kernels
     from sdkiln.runtime import load
 
     prompts = [_text(p, "--prompt") for p in args.prompt]
@@ -246,7 +153,7 @@ def cmd_run(args) -> int:
         raise SdkilnError(
             f"--out {args.out!r}: the image type comes from the suffix: one of {', '.join(IMAGE_SUFFIXES)}"
         )
-    device = resolve_device(args.device)
+    device = kernels.resolve_device(args.device)
     compile_config = None
     if args.compile or args.cuda_graphs:
         from sdkiln.configs.runtime import CompileConfig
@@ -269,15 +176,15 @@ def cmd_run(args) -> int:
         pipe = load(
             args.package, device=device, digest=args.digest, compile=compile_config, parallel=parallel
         )
-        for component, dtype in getattr(pipe, "sdkiln_widened", {}).items():
+        for component, dtype in pipe.sdkiln_widened.items():
             print(f"{component}: {dtype} weights computed in float32 (this CPU has no fast {dtype} matmul)")
         if args.verbose:
-            from sdkiln import kernels
-
             kernels.reset_kernel_counts()
         status = _generate(args, pipe, prompts, out_path, parallel)
         if args.verbose:
-            _print_kernel_counts()
+            print("kernels that ran (op, device: kernel x calls):")
+            for (op, device_type, name), n in sorted(kernels.kernel_counts().items()):
+                print(f"  {op}, {device_type}: {name} x {n}")
         return status
     finally:
         if parallel is not None:
@@ -438,7 +345,7 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--force", action="store_true", help="replace an existing package at --out")
     o.add_argument(
         "--eval-samples",
-        type=_bounded(int, 0, 10_000),
+        type=bounded(int, 0, 10_000),
         default=20,
         help="samples in the quality report (0 skips it)",
     )
@@ -540,62 +447,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--json", action="store_true")
     e.set_defaults(func=cmd_eval)
 
-    a = sub.add_parser("export-ascend", help="write a package's MindIE SD / msModelSlim files")
-    a.add_argument("package")
-    a.add_argument("--out", required=True, help="directory for the description and weights (atomically)")
-    a.add_argument(
-        "--dtype",
-        choices=["bfloat16", "float16"],
-        default=None,
-        help="the dtype MindIE SD runs in; decides deq_scale's form (default: the model's)",
-    )
-    a.add_argument("--force", action="store_true", help="replace an existing --out")
-    a.set_defaults(func=cmd_export_ascend)
-
-    x = sub.add_parser(
-        "export-onnx", help="write a package's transformer as ONNX (QDQ) and check it with onnxruntime"
-    )
-    x.add_argument("package")
-    x.add_argument("--out", required=True, help="directory for transformer.onnx and export.json (atomically)")
-    x.add_argument(
-        "--opset",
-        type=_bounded(int, 18, 23),
-        default=None,
-        help="ONNX opset (default: 21 for a quantized package, 18 for a float one; 23 emits native Attention)",
-    )
-    x.add_argument("--height", type=SIZE, default=None, help="example input height (default: the package's)")
-    x.add_argument("--width", type=SIZE, default=None, help="example input width (default: the package's)")
-    x.add_argument("--no-check", action="store_true", help="skip the onnxruntime comparison")
-    x.add_argument("--force", action="store_true", help="replace an existing ONNX export at --out")
-    x.set_defaults(func=cmd_export_onnx)
-
-    d = sub.add_parser(
-        "export-diffusers",
-        help="write a directory plain diffusers loads (W8A8_DYNAMIC, W8A16 as torchao int8)",
-    )
-    d.add_argument("package")
-    d.add_argument("--out", required=True, help="directory to write (atomically)")
-    d.add_argument(
-        "--no-check", action="store_true", help="skip loading it back and comparing with the runtime"
-    )
-    d.add_argument("--force", action="store_true", help="replace an existing diffusers view at --out")
-    d.set_defaults(func=cmd_export_diffusers)
-
-    u = sub.add_parser(
-        "publish",
-        help="upload a package with its model card to ModelScope or Modelers (token from the environment)",
-    )
-    u.add_argument("package")
-    u.add_argument("--repo", required=True, help="ORG/NAME of the model repository (created if missing)")
-    u.add_argument("--hub", choices=["modelscope", "modelers"], default="modelscope")
-    u.add_argument("--private", action="store_true", help="create the repository private")
-    u.add_argument(
-        "--license",
-        default=None,
-        help="the base model's licence id for the card (default: apache-2.0 for sdkiln's own zoo models; "
-        "required for others)",
-    )
-    u.set_defaults(func=cmd_publish)
+    add_export_parsers(sub)
     return p
 
 
@@ -614,11 +466,14 @@ def _quiet_libraries() -> None:
     """sdkiln's commands show sdkiln's progress and results; ``--debug`` shows everything else.
 
     diffusers and transformers warn on every tiny-model call (truncated prompts, missing
-    torchvision, shard-writing bars); torchao, imported by transformers' quantizers when installed,
-    logs the optional CUDA libraries it cannot load and torch's pytree deprecations on import. Their
-    loggers show errors only, and Python warnings raised outside sdkiln are not shown.
+    torchvision, shard-writing bars); torchao, imported by diffusers' and transformers' quantizers
+    when installed, logs the optional CUDA libraries it cannot load and torch's pytree deprecations
+    on import. Their loggers show errors only, and Python warnings raised outside sdkiln are not
+    shown. torch is imported first: its import sets the "torch" logger's level itself.
     """
     import logging
+
+    import torch  # noqa: F401
 
     for name in THIRD_PARTY_LOGGERS:
         logging.getLogger(name).setLevel(logging.ERROR)

@@ -1,5 +1,6 @@
 """The CLI end to end on the tiny zoo models: packages load and generate; errors are one line."""
 
+import hashlib
 import json
 import shutil
 import subprocess
@@ -69,13 +70,17 @@ def test_inspect_ends_with_the_cpu_table(packages, capsys):
 
 
 def test_no_third_party_noise_before_the_error(packages, tmp_path):
-    """With torchao installed (the test extra), `run` on a package with a damaged tokenizer file
-    prints sdkiln's one error line and nothing from torchao or torch's pytree (issue 30: four lines
-    came first)."""
+    """With torchao installed (the test extra), `run` on a package whose tokenizer file is damaged
+    (and listed with its damaged hash, so it loads as far as the tokenizer) prints sdkiln's one
+    error line and nothing from torchao or torch's pytree (issue 30: four lines came first)."""
     bad = tmp_path / "pkg"
     shutil.copytree(packages["flux-tiny"], bad)
-    tokenizer = next(p for p in sorted(bad.rglob("*")) if p.is_file() and "tokenizer" in p.parent.name)
-    tokenizer.write_bytes(tokenizer.read_bytes()[:-1] + b"!")
+    manifest = json.loads((bad / "manifest.json").read_text())
+    rel = next(r for r in sorted(manifest["files"]) if r.startswith("tokenizer/") and r.endswith(".json"))
+    damaged = b'{"not a tokenizer": '
+    (bad / rel).write_bytes(damaged)
+    manifest["files"][rel] = {"sha256": hashlib.sha256(damaged).hexdigest(), "size": len(damaged)}
+    (bad / "manifest.json").write_text(json.dumps(manifest, indent=2))
     code, out, err = run_cli("run", str(bad), "--prompt", "a")
     assert code == 2
     assert err.strip().count("\n") == 0 and err.startswith("sdkiln: error:"), err

@@ -41,6 +41,7 @@ ISA_FLAGS: dict[str, tuple[str, ...]] = {
     "avx512_fp16": ("avx512_fp16",),
     "amx_int8": ("amx_int8",),
     "amx_bf16": ("amx_bf16",),
+    "amx_fp16": ("amx_fp16",),
     "neon": ("asimd", "neon"),
     "sve": ("sve",),
     "i8mm": ("i8mm",),
@@ -78,9 +79,10 @@ class CpuProfile:
     """Median milliseconds at ``PROBE_SHAPE``: ``int8:int_mm``, ``int8:fp32_chunks``,
     ``matmul:float32``, ``matmul:bfloat16``, ``matmul:float16``; empty when not measured."""
 
-    @property
+    @functools.cached_property
     def int8_product(self) -> str:
-        """The exact int8 product kernels use here: the faster measured one, else by flags."""
+        """The exact int8 product kernels use here: the faster measured one, else by flags. (Asked
+        on every int8 linear's dispatch, so computed once.)"""
         measured = {p: self.timings_ms[f"int8:{p}"] for p in INT8_PRODUCTS if f"int8:{p}" in self.timings_ms}
         if len(measured) == len(INT8_PRODUCTS):
             return min(measured, key=measured.__getitem__)

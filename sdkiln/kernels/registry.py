@@ -20,7 +20,8 @@ its first call.
 For tensors on that device a dispatcher tries the kernels in priority order (ties: first
 registered first) and runs the first that supports the arguments, falling back to the reference.
 ``implementation(op, device_type, *args)`` names what would run, so a test can assert the kernel
-it measured, and ``kernel_counts()`` counts what did run, per op, device and kernel. A device's kernel modules (``Platform.kernel_modules``) are imported only by
+it measured, and ``kernel_counts()`` counts what did run, per op, device and kernel (or
+reference). A device's kernel modules (``Platform.kernel_modules``) are imported only by
 ``load_device_kernels(device_type)``, which the runtime calls for the device it loads onto: never
 ``import sdkiln``, never a device query. A Triton kernel that Inductor should see into is written
 with ``torch.library.triton_op`` and registered here like any other; the compile backend can find
@@ -124,8 +125,11 @@ def _no_gradient(name: str) -> tuple[Callable, Callable]:
 def define(schema: str, *, reference: Callable, fake: Callable, differentiable: bool) -> OpDef:
     """Define ``sdkiln::<op>`` from its schema (``"name(args) -> out"``) with its reference, its fake
     and its autograd rule. Defining the same op again with the same schema returns the first
-    definition (a reloaded family module); another schema is an error."""
-    name = schema.split("(", 1)[0]
+    definition (a reloaded family module); another schema is an error. The first argument is a
+    tensor (``Tensor x``): the device its calls are counted on (``kernel_counts``)."""
+    name, args = schema.split("(", 1)
+    if not args.startswith("Tensor "):
+        raise ValueError(f"{NAMESPACE}::{name}: the first argument must be a Tensor, got {schema!r}")
     if name in _OPS:
         if _OPS[name].schema != schema:
             raise ValueError(f"{NAMESPACE}::{name} is already defined as {_OPS[name].schema!r}")
@@ -133,8 +137,7 @@ def define(schema: str, *, reference: Callable, fake: Callable, differentiable: 
     _LIB.define(schema)
 
     def counted_reference(*args):
-        device = next((a.device.type for a in args if isinstance(a, Tensor)), "cpu")
-        _RAN[name, device, REFERENCE] += 1
+        _RAN[name, args[0].device.type, REFERENCE] += 1
         return reference(*args)
 
     _LIB.impl(name, counted_reference, "CompositeExplicitAutograd")

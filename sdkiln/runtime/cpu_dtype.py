@@ -25,7 +25,7 @@ HANDLES_ATTR = "_sdkiln_widen_handles"
 def _widen(value: Any) -> Any:
     if isinstance(value, torch.Tensor) and value.dtype in WIDENED:
         return value.float()
-    if isinstance(value, list | tuple) and any(isinstance(v, torch.Tensor) for v in value):
+    if type(value) in (list, tuple) and any(isinstance(v, torch.Tensor) for v in value):
         return type(value)(_widen(v) for v in value)
     return value
 

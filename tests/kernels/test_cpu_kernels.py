@@ -58,14 +58,15 @@ def test_cpu_info_reads_flags(monkeypatch):
     assert "amx_int8" in info.describe() and "Some CPU" in info.describe()
 
 
-def test_this_machine_profile_is_consistent():
-    """The real profile: measured products, and the choice is the faster one."""
-    p = cp.cpu_profile()
-    assert p.threads == torch.get_num_threads()
-    if p.timings_ms:
-        fastest = min(cp.INT8_PRODUCTS, key=lambda name: p.timings_ms[f"int8:{name}"])
-        assert p.int8_product == fastest
-    assert [row[0] for row in p.table()][0].startswith("int8 x int8 product")
+def test_measured_products_on_this_machine():
+    """The real measurement: every candidate product timed, and the table shows the times."""
+    timings = cp.measure_products()
+    assert set(timings) == {f"int8:{p}" for p in cp.INT8_PRODUCTS} | {
+        f"matmul:{d}" for d in ("float32", "bfloat16", "float16")
+    }
+    assert all(t > 0 for t in timings.values())
+    what, choice, why = cp.CpuProfile(cp.read_cpu_info(), 1, timings).table()[0]
+    assert f"int_mm {timings['int8:int_mm']:.2f} ms" in why and choice in cp.INT8_PRODUCTS
 
 
 def dynamic_args(m, k, n, bias, out_dtype):
