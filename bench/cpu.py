@@ -1,6 +1,7 @@
 """The CPU as a device: each quantized layer of the embedded model against its fp32 Linear, per
-int8 kernel; per-op time of a generation, float package vs default package; and `sdkiln run`'s
-wall time for both packages side by side in one process.
+int8 kernel; one transformer forward in fp32, bf16 and fp16, native and widened to fp32 per module;
+per-op time of a generation, float package vs default package; and `sdkiln run`'s wall time for
+both packages side by side in one process.
 
     python bench/cpu.py [--package build/demo/package] [--float-package build/bench_cpu/float]
 
@@ -48,10 +49,12 @@ def forcing(product: str) -> cp.CpuProfile:
 def layer_inputs(pipe, attr: str) -> dict[str, torch.Tensor]:
     """One denoising step's input to every quantized layer (the first call of each)."""
     seen: dict[str, torch.Tensor] = {}
+
+    def record(mod, args, name) -> None:
+        seen.setdefault(name, args[0].detach().clone())
+
     handles = [
-        m.register_forward_pre_hook(
-            lambda mod, args, name=name: seen.setdefault(name, args[0].detach().clone())
-        )
+        m.register_forward_pre_hook(lambda mod, args, name=name: record(mod, args, name))
         for name, m in getattr(pipe, attr).named_modules()
         if isinstance(m, QuantLinear)
     ]
@@ -90,6 +93,41 @@ def bench_layers(pipe, float_pipe, attr: str, reps: int) -> list[dict]:
             row["chosen_vs_fp32"] = row[f"{chosen}_ms"] / row["fp32_linear_ms"]
             rows.append(row)
     return rows
+
+
+def bench_widening(float_pipe, attr: str, reps: int) -> dict:
+    """One transformer forward at the model's real inputs: fp32, the same weights in bf16 and fp16
+    as torch runs them, and widened to fp32 per module (``runtime.cpu_dtype``), which ``load`` applies
+    where the profile says the 16-bit dtype is slow."""
+    import copy
+
+    from sdkiln.runtime.cpu_dtype import widen_to_float32
+
+    transformer = getattr(float_pipe, attr)
+    seen = {}
+
+    def record(mod, args, kwargs) -> None:
+        seen.setdefault("kwargs", kwargs)
+
+    hook = transformer.register_forward_pre_hook(record, with_kwargs=True)
+    float_pipe(
+        prompt=PROMPTS[0], num_inference_steps=1, output_type="np", generator=torch.Generator().manual_seed(0)
+    )
+    hook.remove()
+    kwargs = seen["kwargs"]
+    out = {"fp32_ms": median_ms(lambda: transformer(**kwargs), reps)}
+    for dtype in (torch.bfloat16, torch.float16):
+        name = str(dtype).removeprefix("torch.")
+        narrow = copy.deepcopy(transformer).to(dtype)
+        narrow_kwargs = {
+            k: v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() else v for k, v in kwargs.items()
+        }
+        out[f"{name}_ms"] = median_ms(lambda narrow=narrow, kw=narrow_kwargs: narrow(**kw), reps)
+        widen_to_float32(narrow)
+        out[f"{name}_widened_ms"] = median_ms(lambda narrow=narrow, kw=narrow_kwargs: narrow(**kw), reps)
+        out[f"{name}_chosen"] = "native" if cp.cpu_profile().fast_dtype(dtype) else "widened"
+        del narrow
+    return out
 
 
 def op_table(pipe, steps: int, top: int) -> list[dict]:
@@ -178,6 +216,13 @@ def main(argv: list[str] | None = None) -> dict:
             f"{row['fp32_linear_ms']:.3f} ms  int_mm {row['int_mm_ms']:.3f}  fp32_chunks {row['fp32_chunks_ms']:.3f}"
             f"  chosen {row['chosen']} {row['chosen_vs_fp32']:.2f}x"
         )
+    with torch.no_grad():
+        widening = bench_widening(pipes["float"], attr, args.layer_reps)
+    print(
+        "transformer forward: "
+        + ", ".join(f"{k.removesuffix('_ms')} {v:.2f} ms" for k, v in widening.items() if k.endswith("_ms"))
+        + f" (bf16 runs {widening['bfloat16_chosen']}, fp16 {widening['float16_chosen']})"
+    )
     ops = {name: op_table(p, args.steps, 15) for name, p in pipes.items()}
     e2e = end_to_end(pipes, args.steps, args.rounds)
     print(
@@ -190,6 +235,7 @@ def main(argv: list[str] | None = None) -> dict:
         "packages": {"float": args.float_package, "package": args.package},
         "layers": layers,
         "worst_chosen_vs_fp32": max((r["chosen_vs_fp32"] for r in layers), default=None),
+        "transformer_16bit": widening,
         "ops_per_step": ops,
         "end_to_end": e2e,
     }
