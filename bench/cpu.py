@@ -32,6 +32,7 @@ from timing import RESULTS, device_info  # noqa: E402
 
 from sdkiln import kernels  # noqa: E402
 from sdkiln.kernels import cpu_profile as cp  # noqa: E402
+from sdkiln.kernels.cpu import native  # noqa: E402
 from sdkiln.kernels.cpu_profile import median_ms  # noqa: E402
 from sdkiln.runtime import load  # noqa: E402
 from sdkiln.runtime.quant import QuantLinear  # noqa: E402
@@ -39,11 +40,25 @@ from sdkiln.runtime.quant import QuantLinear  # noqa: E402
 PROMPTS = ["a photo of a sneaker", "a pair of trousers", "a picture of an ankle boot"]
 
 
-def forcing(product: str) -> cp.CpuProfile:
-    """This machine's profile with timings that make the kernels choose ``product``."""
-    real = cp.cpu_profile()
-    timings = {**real.timings_ms, **{f"int8:{p}": (0.0 if p == product else 1.0) for p in cp.INT8_PRODUCTS}}
-    return cp.CpuProfile(real.info, real.threads, timings)
+def paired_ms(fns: dict, rounds: int, budget_s: float = 0.01) -> dict[str, float]:
+    """Median milliseconds per call of each function, timed in alternating rounds (the order turns
+    each round) of enough calls to last about ``budget_s``: at 15 us a call a lone timing is mostly
+    noise, and a load on the other core skews every function of a round alike."""
+    names = list(fns)
+    for fn in fns.values():
+        fn()
+    start = time.perf_counter()
+    fns[names[0]]()
+    calls = max(1, int(budget_s / max(time.perf_counter() - start, 1e-7)))
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(rounds):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            fn = fns[name]
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            times[name].append((time.perf_counter() - start) / calls * 1e3)
+    return {n: statistics.median(t) for n, t in times.items()}
 
 
 def layer_inputs(pipe, attr: str) -> dict[str, torch.Tensor]:
@@ -66,32 +81,51 @@ def layer_inputs(pipe, attr: str) -> dict[str, torch.Tensor]:
     return seen
 
 
-def bench_layers(pipe, float_pipe, attr: str, reps: int) -> list[dict]:
+def forced(product: str, fn):
+    """``fn`` run with this machine's profile changed to choose ``product`` for every int8 call."""
+    profile = cp.cpu_profile().choosing(product)
+
+    def run():
+        real = cp.cpu_profile
+        cp.cpu_profile = lambda: profile
+        try:
+            return fn()
+        finally:
+            cp.cpu_profile = real
+
+    return run
+
+
+def bench_layers(pipe, float_pipe, attr: str, rounds: int) -> list[dict]:
+    """Each quantized layer (the module call, as the package runs it) against its fp32 Linear: with
+    the kernel this machine's profile chooses for its shape, and with each int8 product forced."""
     quant_mods = dict(getattr(pipe, attr).named_modules())
     float_mods = dict(getattr(float_pipe, attr).named_modules())
+    products = [p for p in cp.INT8_PRODUCTS if p != "native" or native.available()]
     rows = []
-    real_profile = cp.cpu_profile
     with torch.no_grad():
         for name, x in layer_inputs(pipe, attr).items():
             q, f = quant_mods[name], float_mods[name]
             assert isinstance(f, nn.Linear), name
-            row = {
-                "layer": name,
-                "scheme": q.scheme,
-                "shape_MxKxN": [x.numel() // x.shape[-1], f.in_features, f.out_features],
-                "fp32_linear_ms": median_ms(lambda f=f, x=x: f(x), reps),
-            }
-            for product in cp.INT8_PRODUCTS:
-                forced = forcing(product)
-                cp.cpu_profile = lambda forced=forced: forced
-                try:
-                    row[f"{product}_ms"] = median_ms(lambda q=q, x=x: q(x), reps)
-                finally:
-                    cp.cpu_profile = real_profile
-            chosen = real_profile().int8_product
-            row["chosen"] = chosen
-            row["chosen_vs_fp32"] = row[f"{chosen}_ms"] / row["fp32_linear_ms"]
-            rows.append(row)
+            m, k, n = x.numel() // x.shape[-1], f.in_features, f.out_features
+            fns = {"fp32_linear": lambda f=f, x=x: f(x), "chosen": lambda q=q, x=x: q(x)}
+            fns |= {p: forced(p, lambda q=q, x=x: q(x)) for p in products}
+            kernels.reset_kernel_counts()
+            q(x)
+            ran = ", ".join(f"{op}:{kernel}" for op, _, kernel in sorted(kernels.kernel_counts()))
+            times = paired_ms(fns, rounds)
+            rows.append(
+                {
+                    "layer": name,
+                    "scheme": q.scheme,
+                    "shape_MxKxN": [m, k, n],
+                    "kernel": ran,
+                    "fp32_linear_ms": times["fp32_linear"],
+                    "chosen_ms": times["chosen"],
+                    **{f"{p}_ms": times[p] for p in products},
+                    "chosen_vs_fp32": times["chosen"] / times["fp32_linear"],
+                }
+            )
     return rows
 
 
@@ -191,7 +225,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--float-package", default=str(ROOT / "build/bench_cpu/float"))
     parser.add_argument("--steps", type=int, default=28)
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--layer-reps", type=int, default=30)
+    parser.add_argument("--layer-rounds", type=int, default=7)
+    parser.add_argument("--layer-reps", type=int, default=30, help="timings of each transformer forward")
     parser.add_argument("--out", default=None, help="JSON path (default: bench/results/cpu_<cpu>.json)")
     args = parser.parse_args(argv)
     if not Path(args.package).is_dir():
@@ -203,18 +238,21 @@ def main(argv: list[str] | None = None) -> dict:
         optimize(None, "none", args.float_package, eval_samples=0, force=True)
     profile = cp.cpu_profile()
     print(
-        f"cpu: {profile.info.describe()}, {profile.threads} thread(s); int8 product: {profile.int8_product}"
+        f"cpu: {profile.info.describe()}, {profile.threads} thread(s); int8 product: {profile.int8_product}, "
+        f"{'x'.join(map(str, cp.SMALL_SHAPE))}-size: {profile.int8_product_small}, fused "
+        f"{profile.fused_product_small}; native kernels: {native.status().detail}"
     )
     pipes = {"float": load(args.float_package, "cpu"), "package": load(args.package, "cpu")}
     for p in pipes.values():
         p.set_progress_bar_config(disable=True)
     attr = pipes["package"].sdkiln_manifest["model"]["transformer_attr"]
-    layers = bench_layers(pipes["package"], pipes["float"], attr, args.layer_reps)
+    layers = bench_layers(pipes["package"], pipes["float"], attr, args.layer_rounds)
     for row in layers:
+        forced_ms = "  ".join(f"{p} {row[f'{p}_ms']:.3f}" for p in cp.INT8_PRODUCTS if f"{p}_ms" in row)
         print(
             f"  {row['layer']:<42} {row['scheme']:<13} {'x'.join(map(str, row['shape_MxKxN'])):>13}  fp32 "
-            f"{row['fp32_linear_ms']:.3f} ms  int_mm {row['int_mm_ms']:.3f}  fp32_chunks {row['fp32_chunks_ms']:.3f}"
-            f"  chosen {row['chosen']} {row['chosen_vs_fp32']:.2f}x"
+            f"{row['fp32_linear_ms']:.3f} ms  ran {row['kernel']} {row['chosen_ms']:.3f} ms "
+            f"({row['chosen_vs_fp32']:.2f}x)  forced: {forced_ms}"
         )
     with torch.no_grad():
         widening = bench_widening(pipes["float"], attr, args.layer_reps)
@@ -232,6 +270,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = {
         "device": device_info(torch.device("cpu")),
         "cpu_profile": profile.to_dict(),
+        "native": native.status().detail,
         "packages": {"float": args.float_package, "package": args.package},
         "layers": layers,
         "worst_chosen_vs_fp32": max((r["chosen_vs_fp32"] for r in layers), default=None),

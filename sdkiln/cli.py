@@ -130,11 +130,13 @@ def _kernel_lines(device_type: str) -> list[str]:
 
         profile = cpu_profile()
         shape = "x".join(map(str, PROBE_SHAPE))
-        lines += [f"cpu: {profile.info.describe()}, {profile.threads} thread(s); products timed at {shape}"]
+        lines += [
+            f"cpu: {profile.info.describe()}, {profile.threads} thread(s); products timed at {shape} unless named"
+        ]
         lines += [f"  {what}: {choice}  ({why})" for what, choice, why in profile.table()]
     kernels.load_device_kernels(device_type)
     lines.append(f"{device_type} kernels, in the order tried (then the reference):")
-    for op in kernels.op_names():
+    for op in kernels.op_names() + kernels.composite_names():
         names = [k.name for k in kernels.kernels(op, device_type)]
         if names:
             lines.append(f"  {op}: {', '.join(names)}")

@@ -10,7 +10,9 @@ from sdkiln.kernels.ops.int8 import (
     quantize_per_tensor_int8,
     quantize_per_token_int8,
     w8a8_linear,
+    w8a8_linear_from_float,
     w8a8_static_linear,
+    w8a8_static_linear_from_float,
 )
 from sdkiln.kernels.ops.norm import layer_norm_modulate, rms_norm
 from sdkiln.kernels.ops.rope import rope
@@ -18,6 +20,7 @@ from sdkiln.kernels.ops.sparse_attention import block_sparse_attention
 from sdkiln.kernels.ops.weight_only import weight_only_linear
 from sdkiln.kernels.platform import Platform, current_platform, resolve_device
 from sdkiln.kernels.registry import (
+    composite_names,
     implementation,
     kernel_counts,
     kernels,
@@ -32,6 +35,7 @@ __all__ = [
     "Platform",
     "attention",
     "block_sparse_attention",
+    "composite_names",
     "current_platform",
     "fp8_linear",
     "fp8_quantize_per_token",
@@ -54,6 +58,8 @@ __all__ = [
     "rms_norm_quantize",
     "rope",
     "w8a8_linear",
+    "w8a8_linear_from_float",
     "w8a8_static_linear",
+    "w8a8_static_linear_from_float",
     "weight_only_linear",
 ]

@@ -8,9 +8,10 @@ torch's kernels are not built for every one. So the profile holds both:
 
 * ``CpuInfo``: the model name and the instruction sets that matter, read from ``/proc/cpuinfo``
   (x86 flags; Arm ``Features``), and torch's own ATen capability;
-* timings of the candidate products at one small shape (int8: ``torch._int_mm`` and the exact
-  fp32-chunk product; fp32, bf16, fp16 matmuls), measured once per machine, torch version and
-  thread count and cached in ``$XDG_CACHE_HOME/sdkiln/cpu_profile.json`` (about 0.1-1 s).
+* timings of the candidate products at one small shape (int8: ``torch._int_mm``, the exact
+  fp32-chunk product and, where it builds, sdkiln's native AVX2 product; fp32, bf16, fp16
+  matmuls), measured once per machine, torch version, thread count and native availability and
+  cached in ``$XDG_CACHE_HOME/sdkiln/cpu_profile.json`` (about 0.1-1 s).
 
 The decisions (``int8_product``, ``fast_dtypes``) read the timings when there are any and the flags
 otherwise (``SDKILN_CPU_MEASURE=0``). ``cpu_profile()`` is what every kernel's ``supports`` asks;
@@ -22,6 +23,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import math
 import os
 import platform
 import tempfile
@@ -35,6 +37,7 @@ ISA_FLAGS: dict[str, tuple[str, ...]] = {
     "avx2": ("avx2",),
     "fma": ("fma",),
     "avx512f": ("avx512f",),
+    "avx512bw": ("avx512bw",),
     "avx512_vnni": ("avx512_vnni",),
     "avx_vnni": ("avx_vnni",),
     "avx512_bf16": ("avx512_bf16",),
@@ -51,12 +54,20 @@ ISA_FLAGS: dict[str, tuple[str, ...]] = {
 INT8_FAST_ISA = frozenset({"avx512_vnni", "avx_vnni", "amx_int8", "i8mm"})
 BF16_FAST_ISA = frozenset({"avx512_bf16", "amx_bf16", "arm_bf16"})
 FP16_FAST_ISA = frozenset({"avx512_fp16", "amx_fp16"})
-INT8_PRODUCTS = ("int_mm", "fp32_chunks")
-"""The exact int8 x int8 -> int32 products on a CPU (``sdkiln.kernels.ops.int8``)."""
+INT8_PRODUCTS = ("int_mm", "fp32_chunks", "native")
+"""The exact int8 x int8 -> int32 products on a CPU: ``torch._int_mm``, the fp32-chunk product
+(``sdkiln.kernels.ops.int8``) and sdkiln's AVX2 code (``sdkiln.kernels.cpu.native``), the last
+only where it could be built."""
 PROBE_SHAPE = (128, 512, 512)
 """M x K x N of the timed products: big enough for the BLAS kernels to reach their speed, small
 enough that a 50x slow path costs tens of milliseconds."""
-PROFILE_VERSION = 1
+SMALL_SHAPE = (16, 128, 128)
+"""M x K x N where a call's fixed cost decides (the embedded model's 16 text tokens); int8
+products are timed here too, and a product of less work than the geometric mean of the two shapes
+takes this shape's fastest."""
+PROFILE_VERSION = 5
+EXACTNESS_SHAPE = (64, 512, 64)
+"""M x K x N of the full-range product each candidate must reproduce exactly to be chosen."""
 
 
 @dataclass(frozen=True)
@@ -77,16 +88,64 @@ class CpuProfile:
     threads: int
     timings_ms: dict[str, float] = field(default_factory=dict)
     """Median milliseconds at ``PROBE_SHAPE``: ``int8:int_mm``, ``int8:fp32_chunks``,
-    ``matmul:float32``, ``matmul:bfloat16``, ``matmul:float16``; empty when not measured."""
+    ``int8:native``, ``matmul:float32``, ``matmul:bfloat16``, ``matmul:float16``; empty when not
+    measured."""
+    inexact: tuple[str, ...] = ()
+    """The int8 products that got a full-range product wrong here (``torch._int_mm`` without VNNI
+    saturates int16 sums): never chosen."""
+
+    def _fastest(self, prefix: str) -> str:
+        from sdkiln.kernels.cpu import native
+
+        usable = [p for p in INT8_PRODUCTS if (p != "native" or native.available()) and p not in self.inexact]
+        t = self.timings_ms
+        measured = {p: t[f"{prefix}:{p}"] for p in usable if f"{prefix}:{p}" in t}
+        if f"{prefix}:int_mm" in t and f"{prefix}:fp32_chunks" in t and measured:
+            return min(measured, key=measured.__getitem__)
+        if self.info.features & INT8_FAST_ISA:
+            return "int_mm"
+        return "native" if "native" in usable else "fp32_chunks"
 
     @functools.cached_property
     def int8_product(self) -> str:
-        """The exact int8 product kernels use here: the faster measured one, else by flags. (Asked
-        on every int8 linear's dispatch, so computed once.)"""
-        measured = {p: self.timings_ms[f"int8:{p}"] for p in INT8_PRODUCTS if f"int8:{p}" in self.timings_ms}
-        if len(measured) == len(INT8_PRODUCTS):
-            return min(measured, key=measured.__getitem__)
-        return "int_mm" if self.info.features & INT8_FAST_ISA else "fp32_chunks"
+        """The exact int8 product for large products here: the fastest measured at ``PROBE_SHAPE``
+        of those verified exact (the native product only where it is available now), else by
+        flags. (Asked on every int8 linear's dispatch, so computed once.)"""
+        return self._fastest("int8")
+
+    @functools.cached_property
+    def int8_product_small(self) -> str:
+        """The same at ``SMALL_SHAPE``, where the per-call cost decides."""
+        return self._fastest("int8_small")
+
+    @functools.cached_property
+    def fused_product_small(self) -> str:
+        """The product of the fastest fused W8A8 linear (``sdkiln.kernels.cpu.int8``: quantize,
+        product, dequantize in one kernel) at ``SMALL_SHAPE``; where the fused kernels' own costs
+        around the product decide."""
+        return self._fastest("fused_small")
+
+    small_work = math.sqrt(math.prod(SMALL_SHAPE) * math.prod(PROBE_SHAPE))
+    """M * K * N below which the ``SMALL_SHAPE`` decisions hold."""
+
+    def int8_product_for(self, m: int, k: int, n: int) -> str:
+        """The product for an [m, k] x [k, n] call: the small shape's fastest below the geometric
+        mean of the two measured shapes' work, the probe's at or above it."""
+        return self.int8_product_small if m * k * n < self.small_work else self.int8_product
+
+    def fused_product_for(self, m: int, k: int, n: int) -> str:
+        """The same for the fused W8A8 linears."""
+        return self.fused_product_small if m * k * n < self.small_work else self.int8_product
+
+    def choosing(self, product: str) -> CpuProfile:
+        """This profile with timings that make every int8 decision ``product`` (benchmarks and
+        tests run each kernel this way)."""
+        favoured = {
+            f"{prefix}:{p}": (0.0 if p == product else 1.0)
+            for prefix in ("int8", "int8_small", "fused_small")
+            for p in INT8_PRODUCTS
+        }
+        return CpuProfile(self.info, self.threads, {**self.timings_ms, **favoured}, self.inexact)
 
     def fast_dtype(self, dtype: torch.dtype) -> bool:
         """Whether matmuls in ``dtype`` are at least as fast as fp32 here (always, for fp32)."""
@@ -107,14 +166,38 @@ class CpuProfile:
         def why(keys: list[str]) -> str:
             if not measured:
                 return "from the flags (not measured)"
-            return ", ".join(f"{k.split(':', 1)[1]} {t[k]:.2f} ms" for k in keys if k in t)
+            return ", ".join(
+                f"{k.split(':', 1)[1]} {t[k]:.3g} ms"
+                + (" (inexact here)" if k.split(":", 1)[1] in self.inexact else "")
+                for k in keys
+                if k in t
+            )
 
+        from sdkiln.kernels.cpu import native
+
+        built = native.status()
+        small = "x".join(map(str, SMALL_SHAPE))
         rows = [
             (
                 "int8 x int8 product (w8a8_linear, w8a8_static_linear)",
                 self.int8_product,
                 why([f"int8:{p}" for p in INT8_PRODUCTS]),
-            )
+            ),
+            (
+                f"the same, products of {small} and similar",
+                self.int8_product_small,
+                why([f"int8_small:{p}" for p in INT8_PRODUCTS]),
+            ),
+            (
+                f"fused int8 linears of {small} and similar",
+                self.fused_product_small,
+                why([f"fused_small:{p}" for p in INT8_PRODUCTS]),
+            ),
+            (
+                "native kernels (fused int8 linears)",
+                "built" if built.available else "unavailable",
+                built.detail,
+            ),
         ]
         for dtype in (torch.bfloat16, torch.float16):
             name = str(dtype).removeprefix("torch.")
@@ -124,7 +207,12 @@ class CpuProfile:
 
     def to_dict(self) -> dict:
         info = asdict(self.info) | {"features": sorted(self.info.features)}
-        return {"info": info, "threads": self.threads, "timings_ms": dict(self.timings_ms)}
+        return {
+            "info": info,
+            "threads": self.threads,
+            "timings_ms": dict(self.timings_ms),
+            "inexact": list(self.inexact),
+        }
 
 
 def _cpuinfo_fields() -> tuple[str, set[str]]:
@@ -161,22 +249,81 @@ def median_ms(fn, reps: int = 3) -> float:
     return sorted(times)[len(times) // 2] * 1e3
 
 
-def measure_products() -> dict[str, float]:
-    """Median times of the candidate products at ``PROBE_SHAPE`` with this process's thread count."""
+def _int8_products() -> dict:
+    from sdkiln.kernels.cpu import native
     from sdkiln.kernels.ops.int8 import int8_matmul_fp32_chunks
 
-    m, k, n = PROBE_SHAPE
-    gen = torch.Generator().manual_seed(0)
-    a = torch.randint(-127, 128, (m, k), dtype=torch.int8, generator=gen)
-    b = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen)
-    timings = {
-        "int8:int_mm": median_ms(lambda: torch._int_mm(a, b.T)),
-        "int8:fp32_chunks": median_ms(lambda: int8_matmul_fp32_chunks(a, b)),
+    products = {
+        "int_mm": lambda a, b: torch._int_mm(a, b.T),
+        "fp32_chunks": lambda a, b: int8_matmul_fp32_chunks(a, b),
     }
+    if native.available():
+        products["native"] = native.int8_product
+    return products
+
+
+def inexact_products() -> tuple[str, ...]:
+    """The candidate int8 products that do not reproduce a full-range product (-128..127 on both
+    sides, which saturates any int16 pair sum) exactly, against the float64 one."""
+    from sdkiln.kernels.ops.int8 import int8_matmul_float64
+
+    m, k, n = EXACTNESS_SHAPE
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randint(-128, 128, (m, k), dtype=torch.int8, generator=gen)
+    b = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=gen)
+    a[0], b[0] = 127, -128  # the largest pair sums, whatever the random draw
+    exact = int8_matmul_float64(a, b)
+    return tuple(p for p, fn in _int8_products().items() if not torch.equal(fn(a, b).to(torch.int32), exact))
+
+
+def _measure_fused(gen: torch.Generator) -> dict[str, float]:
+    """``fused_small:<product>``: one fused dynamic W8A8 linear at ``SMALL_SHAPE`` per product (only
+    where the native kernels, which the fused linears need, are available)."""
+    from sdkiln.kernels.cpu import int8 as cpu_int8
+    from sdkiln.kernels.cpu import native
+
+    if not native.available():
+        return {}
+    m, k, n = SMALL_SHAPE
+    x = torch.randn(m, k, generator=gen)
+    w = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen)
+    scale, bias = torch.rand(n, generator=gen) / 100, torch.randn(n, generator=gen)
+    kernels = {p: cpu_int8.fused_dynamic(p) for p in _int8_products()}
+    return {
+        f"fused_small:{p}": _per_call_ms(lambda fn=fn: fn(x, w, scale, bias), True)
+        for p, fn in kernels.items()
+    }
+
+
+def measure_products() -> dict[str, float]:
+    """Median times of the candidate products at ``PROBE_SHAPE`` (and the int8 ones at
+    ``SMALL_SHAPE``) with this process's thread count."""
+    gen = torch.Generator().manual_seed(0)
+    timings = {}
+    operands = {}
+    for prefix, (m, k, n) in (("int8_small", SMALL_SHAPE), ("int8", PROBE_SHAPE)):
+        a = torch.randint(-127, 128, (m, k), dtype=torch.int8, generator=gen)
+        b = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen)
+        operands[prefix] = a, b
+        for p, fn in _int8_products().items():
+            timings[f"{prefix}:{p}"] = _per_call_ms(lambda fn=fn, a=a, b=b: fn(a, b), prefix == "int8_small")
+    timings.update(_measure_fused(gen))
+    a, b = operands["int8"]
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         x, w = a.to(dtype), b.to(dtype)
         timings[f"matmul:{str(dtype).removeprefix('torch.')}"] = median_ms(lambda x=x, w=w: x @ w.T)
     return timings
+
+
+SMALL_CALLS = 20
+"""Calls per timing of a ``SMALL_SHAPE`` call (about 10 us each), so the timer's own cost and a
+single interruption do not decide."""
+
+
+def _per_call_ms(fn, small: bool) -> float:
+    if not small:
+        return median_ms(fn)
+    return median_ms(lambda: [fn() for _ in range(SMALL_CALLS)], 9) / SMALL_CALLS
 
 
 def cache_file() -> Path:
@@ -185,7 +332,12 @@ def cache_file() -> Path:
 
 
 def _cache_key(info: CpuInfo, threads: int) -> str:
-    text = f"v{PROFILE_VERSION}|{info.describe()}|torch {torch.__version__}|threads {threads}"
+    from sdkiln.kernels.cpu import native
+
+    text = (
+        f"v{PROFILE_VERSION}|{info.describe()}|torch {torch.__version__}|threads {threads}"
+        f"|native {native.status().detail if native.available() else 'none'}"
+    )
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -212,16 +364,18 @@ def _write_cache(path: Path, entries: dict) -> None:
 
 @functools.cache
 def cpu_profile() -> CpuProfile:
-    """This machine's profile: measured once per (CPU, torch, thread count) and cached on disk;
+    """This machine's profile: measured once per (CPU, torch, thread count, native kernels) and
+    cached on disk;
     ``SDKILN_CPU_MEASURE=0`` skips the measurement and decides from the flags."""
     info, threads = read_cpu_info(), torch.get_num_threads()
     if os.environ.get("SDKILN_CPU_MEASURE", "1") == "0":
         return CpuProfile(info, threads)
     path, key = cache_file(), _cache_key(info, threads)
     entries = _read_cache(path)
-    timings = entries.get(key, {}).get("timings_ms")
-    if not isinstance(timings, dict):
-        timings = measure_products()
-        entries[key] = CpuProfile(info, threads, timings).to_dict()
+    entry = entries.get(key, {})
+    timings, inexact = entry.get("timings_ms"), entry.get("inexact")
+    if not isinstance(timings, dict) or not isinstance(inexact, list):
+        timings, inexact = measure_products(), list(inexact_products())
+        entries[key] = CpuProfile(info, threads, timings, tuple(inexact)).to_dict()
         _write_cache(path, entries)
-    return CpuProfile(info, threads, {str(k): float(v) for k, v in timings.items()})
+    return CpuProfile(info, threads, {str(k): float(v) for k, v in timings.items()}, tuple(map(str, inexact)))

@@ -27,6 +27,15 @@ reference). A device's kernel modules (``Platform.kernel_modules``) are imported
 with ``torch.library.triton_op`` and registered here like any other; the compile backend can find
 it through ``kernels(op, device_type)``.
 
+**Composites** (``define_composite``) are Python-level ops made of registered ops, for kernels
+that fuse them: ``w8a8_linear_from_float`` is ``quantize_per_token_int8`` then ``w8a8_linear``. A
+composite's kernels run only in plain eager calls (``eager_call``: no compile, trace, dispatch or
+function mode, tensor subclass or gradient), skipping torch's dispatcher, whose Python round trip
+costs about 10 us a call, as much as a small layer's whole product; everywhere else, and where no
+kernel supports the arguments, its reference runs, and that calls the registered ops, so compiled
+graphs, exports and other devices see exactly the ops they saw before. Kernels register with
+``register_kernel`` as for any op, and are counted the same way.
+
 Reloading this module (``importlib.reload``) keeps what the first import registered: the
 dispatcher is process-wide, so its bookkeeping here is carried over rather than redefined.
 """
@@ -79,6 +88,8 @@ _OPS: dict[str, OpDef] = globals().get("_OPS", {})
 _KERNELS: dict[tuple[str, str], list[Kernel]] = globals().get("_KERNELS", {})
 # (op, device_type) -> the Library that holds its dispatcher, while it has kernels
 _DISPATCHERS: dict[tuple[str, str], torch.library.Library] = globals().get("_DISPATCHERS", {})
+# composite name -> its reference (see the module docstring)
+_COMPOSITES: dict[str, Callable] = globals().get("_COMPOSITES", {})
 # (op, device_type, kernel or "reference") -> calls, for ``kernel_counts``
 _RAN: Counter = globals().get("_RAN", Counter())
 
@@ -149,7 +160,54 @@ def define(schema: str, *, reference: Callable, fake: Callable, differentiable: 
     return _OPS[name]
 
 
+def define_composite(name: str, reference: Callable) -> None:
+    """Define the composite ``name``: ``reference(*args)`` calls registered ops; kernels fuse them
+    (module docstring). Its first argument is a Tensor, as an op's."""
+    if name in _OPS or _COMPOSITES.get(name, reference) is not reference:
+        raise ValueError(f"{NAMESPACE}: {name!r} is already defined")
+    _COMPOSITES[name] = reference
+
+
+def composite_names() -> list[str]:
+    """The composites, in definition order (``op_names`` lists the registered ops)."""
+    return list(_COMPOSITES)
+
+
+_PLAIN = (Tensor, torch.nn.Parameter)
+
+
+def _plain_eager(args: tuple) -> bool:
+    """Whether a call can skip torch's dispatcher without changing what anyone observes: not under
+    torch.compile, a JIT trace, a dispatch or function mode; only plain tensors; no gradient."""
+    if (
+        torch.compiler.is_compiling()
+        or torch._C._get_tracing_state() is not None
+        or torch._C._len_torch_dispatch_stack() > 0
+        or torch._C._is_torch_function_mode_enabled()
+    ):
+        return False
+    grad = torch.is_grad_enabled()
+    for a in args:
+        if isinstance(a, Tensor) and (type(a) not in _PLAIN or (grad and a.requires_grad)):
+            return False
+    return True
+
+
+def eager_call(name: str, *args):
+    """Run the composite ``name``: its first supporting kernel in a plain eager call, else its
+    reference (which dispatches the ops it is made of)."""
+    if _plain_eager(args):
+        device_type = args[0].device.type
+        for kernel in _KERNELS.get((name, device_type), ()):
+            if kernel.supports is None or kernel.supports(*args):
+                _RAN[name, device_type, kernel.name] += 1
+                return kernel.fn(*args)
+    return _COMPOSITES[name](*args)
+
+
 def _check_op(op: str, device_type: str) -> None:
+    if op in _COMPOSITES and device_type in DISPATCH_KEYS:
+        return
     if op not in _OPS:
         raise KeyError(f"unknown sdkiln op {op!r}; ops: {', '.join(_OPS)}")
     if device_type not in DISPATCH_KEYS:
@@ -193,7 +251,7 @@ def register_kernel(
             )
         candidates.append(Kernel(name, fn, priority, supports))
         candidates.sort(key=lambda k: -k.priority)  # stable: first registered first among equals
-        if (op, device_type) not in _DISPATCHERS:
+        if op in _OPS and (op, device_type) not in _DISPATCHERS:
             lib = torch.library.Library(NAMESPACE, "IMPL")
             lib.impl(op, _dispatcher(_OPS[op], device_type, candidates), DISPATCH_KEYS[device_type])
             _DISPATCHERS[op, device_type] = lib
@@ -212,7 +270,9 @@ def remove_kernel(op: str, device_type: str, name: str) -> None:
     candidates[:] = [k for k in candidates if k.name != name]
     if not candidates:
         del _KERNELS[op, device_type]
-        _DISPATCHERS.pop((op, device_type))._destroy()
+        lib = _DISPATCHERS.pop((op, device_type), None)
+        if lib is not None:
+            lib._destroy()
 
 
 def kernels(op: str, device_type: str) -> tuple[Kernel, ...]:

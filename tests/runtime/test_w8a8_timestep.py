@@ -24,21 +24,21 @@ DYNAMIC = 2
 def spy(monkeypatch):
     """Log each activation quantization: ("dynamic",) or ("static", scale); ``spy.on`` gates it."""
     calls = []
-    per_token, per_tensor = K.quantize_per_token_int8, K.quantize_per_tensor_int8
+    per_token, per_tensor = K.w8a8_linear_from_float, K.w8a8_static_linear_from_float
 
-    def dynamic(x):
+    def dynamic(x, *args):
         if spy_state.on:
             calls.append(("dynamic",))
-        return per_token(x)
+        return per_token(x, *args)
 
-    def static(x, scale, offset):
+    def static(x, scale, *args):
         if spy_state.on:
             calls.append(("static", scale.item()))
-        return per_tensor(x, scale, offset)
+        return per_tensor(x, scale, *args)
 
     spy_state = SimpleNamespace(on=True, calls=calls)
-    monkeypatch.setattr(K, "quantize_per_token_int8", dynamic)
-    monkeypatch.setattr(K, "quantize_per_tensor_int8", static)
+    monkeypatch.setattr(K, "w8a8_linear_from_float", dynamic)
+    monkeypatch.setattr(K, "w8a8_static_linear_from_float", static)
     return spy_state
 
 

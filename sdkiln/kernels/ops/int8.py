@@ -7,7 +7,7 @@ import torch
 from torch import Tensor
 
 from sdkiln.kernels.ops.elementwise import check_quantized_matmul, contiguous_as
-from sdkiln.kernels.registry import define
+from sdkiln.kernels.registry import define, define_composite, eager_call
 
 INT8_QMAX = 127
 # The largest K for which an int32 accumulator cannot overflow: K * 128 * 128 < 2**31.
@@ -48,17 +48,26 @@ def int8_matmul_fp32_chunks(a: Tensor, b: Tensor) -> Tensor:
     return acc
 
 
+def int8_matmul_float64(a: Tensor, b: Tensor) -> Tensor:
+    """Exact ``a @ b.T`` for int8 a [M, K] and b [N, K], as int32, through one float64 matmul: every
+    partial sum is an integer below 2**31 < 2**53, exact in any summation order and whatever fp32
+    matmul precision or ISA the BLAS is set to."""
+    return (a.double() @ b.double().T).to(torch.int32)
+
+
 def int8_matmul(a: Tensor, b: Tensor) -> Tensor:
     """Exact ``a @ b.T`` for int8 a [M, K] and b [N, K], as int32: what the references use.
 
-    On CPU this is ``torch._int_mm``, exact for every shape; elsewhere ``int8_matmul_fp32_chunks``
-    (``_int_mm`` on CUDA has shape limits, and NPUs lack it). The CPU kernels
-    (``sdkiln.kernels.cpu.int8``) choose whichever of the two is faster on the processor: the
-    reference is the oracle, not the speed path. Plain ``int8 @ int8`` wraps around in int8 and is
-    never used.
+    On CPU this is ``int8_matmul_float64``; elsewhere ``int8_matmul_fp32_chunks``. Not
+    ``torch._int_mm``: on a CPU without VNNI its oneDNN kernel sums pairs of u8 x s8 products in
+    saturating int16 (``vpmaddubsw``) and is wrong by up to 65,279 in about 90% of the outputs of a
+    full-range product (measured with ``ONEDNN_MAX_CPU_ISA=AVX2``; docs/kernels.md). The CPU kernels
+    (``sdkiln.kernels.cpu.int8``) choose the fastest product that the CPU profile verified exact:
+    the reference is the oracle, not the speed path. Plain ``int8 @ int8`` wraps around in int8 and
+    is never used.
     """
     if a.device.type == "cpu":
-        return torch._int_mm(a, b.T)
+        return int8_matmul_float64(a, b)
     return int8_matmul_fp32_chunks(a, b)
 
 
@@ -261,3 +270,51 @@ def w8a8_static_linear(
 ) -> Tensor:
     """int8 x int8 linear with static activation parameters: ``(x_q @ weight.T + quant_bias) * deq_scale``."""
     return torch.ops.sdkiln.w8a8_static_linear.default(x_q, weight, deq_scale, quant_bias, out_dtype)
+
+
+def w8a8_linear_from_float_reference(
+    x: Tensor, weight: Tensor, weight_scale: Tensor, bias: Tensor | None
+) -> Tensor:
+    """W8A8_DYNAMIC's linear from float activations: ``quantize_per_token_int8`` then ``w8a8_linear``
+    to x's dtype, each dispatched as the op it is."""
+    x_q, x_scale = quantize_per_token_int8(x)
+    return w8a8_linear(x_q, x_scale, weight, weight_scale, bias, x.dtype)
+
+
+def w8a8_static_linear_from_float_reference(
+    x: Tensor,
+    input_scale: Tensor,
+    input_offset: Tensor,
+    weight: Tensor,
+    deq_scale: Tensor,
+    quant_bias: Tensor,
+) -> Tensor:
+    """W8A8's linear from float activations: ``quantize_per_tensor_int8`` then ``w8a8_static_linear``."""
+    x_q = quantize_per_tensor_int8(x, input_scale, input_offset)
+    return w8a8_static_linear(x_q, weight, deq_scale, quant_bias, x.dtype)
+
+
+define_composite("w8a8_linear_from_float", w8a8_linear_from_float_reference)
+define_composite("w8a8_static_linear_from_float", w8a8_static_linear_from_float_reference)
+
+
+def w8a8_linear_from_float(
+    x: Tensor, weight: Tensor, weight_scale: Tensor, bias: Tensor | None = None
+) -> Tensor:
+    """Quantize x per token and run the int8 linear: [..., N] in x's dtype. A composite: a CPU kernel
+    may fuse both in one call (``sdkiln.kernels.registry``), bit for bit the same."""
+    return eager_call("w8a8_linear_from_float", x, weight, weight_scale, bias)
+
+
+def w8a8_static_linear_from_float(
+    x: Tensor,
+    input_scale: Tensor,
+    input_offset: Tensor,
+    weight: Tensor,
+    deq_scale: Tensor,
+    quant_bias: Tensor,
+) -> Tensor:
+    """Quantize x with the calibrated per-tensor parameters and run the static int8 linear (a composite)."""
+    return eager_call(
+        "w8a8_static_linear_from_float", x, input_scale, input_offset, weight, deq_scale, quant_bias
+    )

@@ -77,8 +77,7 @@ class W8A8DynamicLinear(QuantLinear):
         self.weight.copy_(values.to(torch.int8))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x_q, x_scale = kernels.quantize_per_token_int8(x)
-        return kernels.w8a8_linear(x_q, x_scale, self.weight, self.weight_scale, self.bias, x.dtype)
+        return kernels.w8a8_linear_from_float(x, self.weight, self.weight_scale, self.bias)
 
 
 W8A8Linear = W8A8DynamicLinear

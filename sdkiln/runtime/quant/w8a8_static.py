@@ -128,5 +128,6 @@ class W8A8StaticLinear(QuantLinear):
         return mod
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x_q = kernels.quantize_per_tensor_int8(x, self.input_scale, self.input_offset)
-        return kernels.w8a8_static_linear(x_q, self.weight, self.deq_scale, self.quant_bias, x.dtype)
+        return kernels.w8a8_static_linear_from_float(
+            x, self.input_scale, self.input_offset, self.weight, self.deq_scale, self.quant_bias
+        )

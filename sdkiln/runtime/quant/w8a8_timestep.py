@@ -143,16 +143,14 @@ class W8A8TimestepLinear(QuantLinear):
                 "sdkiln.runtime.denoising.attach_step_tracker(pipeline) after building the pipeline yourself"
             )
         if self._dynamic:
-            x_q, x_scale = kernels.quantize_per_token_int8(x)
-            return kernels.w8a8_linear(x_q, x_scale, self.weight, self.weight_scale, self.bias, x.dtype)
+            return kernels.w8a8_linear_from_float(x, self.weight, self.weight_scale, self.bias)
         row, n = self._row, self.out_features
         scale, offset = (
             self.input_scale.index_select(0, row).reshape(1),
             self.input_offset.index_select(0, row).reshape(1),
         )
-        x_q = kernels.quantize_per_tensor_int8(x, scale, offset)
         deq, quant_bias = (
             self.deq_scale.index_select(0, row).reshape(n),
             self.quant_bias.index_select(0, row).reshape(n),
         )
-        return kernels.w8a8_static_linear(x_q, self.weight, deq, quant_bias, x.dtype)
+        return kernels.w8a8_static_linear_from_float(x, scale, offset, self.weight, deq, quant_bias)
