@@ -8,7 +8,8 @@
  * nearest even, as in torch: the output is the reference's bit for bit.
  *
  * The products are exact for every int8 value, -128 included, with no saturation:
- * - AVX2: int8 widened to int16, vpmaddwd (pairs of int16 products summed in int32);
+ * - AVX2: int8 widened to int16 (the weight a block of rows at a time, reused by every row of
+ *   activations), vpmaddwd (pairs of int16 products summed in int32);
  * - AVX-512 VNNI: vpdpbusd multiplies unsigned by signed bytes, so the activations are offset by
  *   128 (a + 128 in [0, 255]) and 128 * sum_k w[n][k] is subtracted afterwards; the int32 sums wrap,
  *   but the true result fits int32 (K <= 131071, which the Python side checks), so it comes out exact.
@@ -31,7 +32,11 @@ typedef int16_t a_t;
 #endif
 /* The output tile: MR rows (activations) by NR columns (weight rows, int8), NR <= 4. */
 #define NR 4
-#define W_BLOCK_BYTES (128 * 1024)
+#ifdef SK_VNNI
+#define W_BLOCK_BYTES (128 * 1024) /* of int8 weight rows per block of columns */
+#else
+#define W_BLOCK_BYTES (64 * 1024) /* widened to int16: 128 KiB */
+#endif
 
 /* The reference's rounding: torch.round (half to even) of an fp32 value, clamped to [lo, hi];
  * NaN becomes 0. */
@@ -204,61 +209,73 @@ static void offset_sums(const int8_t *w, int64_t n, int64_t k, int32_t *comp) {
     }
 }
 #else
-static inline __attribute__((always_inline)) void tile(const a_t *a, int64_t kp, const int8_t *w, int64_t k,
-                                                       const int32_t *comp, int64_t m0, int64_t n0, const int mr,
-                                                       const int nr, const epilogue_t *e) {
-    (void)comp;
+/* w here is a block of the weight widened to int16, rows of kp zero padded (``widen``), and n0 its
+ * row in that block, so the product has no tail. */
+static inline __attribute__((always_inline)) void tile(const a_t *a, int64_t kp, const int16_t *w, int64_t n0b,
+                                                       int64_t m0, int64_t n0, const int mr, const int nr,
+                                                       const epilogue_t *e) {
     __m256i c[MR][4]; /* the columns past nr stay zero */
     for (int i = 0; i < mr; i++)
         for (int j = 0; j < 4; j++) c[i][j] = _mm256_setzero_si256();
-    const int64_t k16 = k & ~(int64_t)15;
-    for (int64_t t = 0; t < k16; t += 16) {
+    for (int64_t t = 0; t < kp; t += 16) {
         __m256i wv[NR];
-        for (int j = 0; j < nr; j++)
-            wv[j] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + (n0 + j) * k + t)));
+        for (int j = 0; j < nr; j++) wv[j] = _mm256_loadu_si256((const __m256i *)(w + (n0b + j) * kp + t));
         for (int i = 0; i < mr; i++) {
             __m256i av = _mm256_loadu_si256((const __m256i *)(a + (m0 + i) * kp + t));
             for (int j = 0; j < nr; j++) c[i][j] = _mm256_add_epi32(c[i][j], _mm256_madd_epi16(av, wv[j]));
         }
     }
-    for (int i = 0; i < mr; i++) {
-        __m128i s = reduce4(c[i][0], c[i][1], c[i][2], c[i][3]);
-        if (k16 < k) {
-            int32_t tail[4] = {0, 0, 0, 0};
-            for (int j = 0; j < nr; j++)
-                for (int64_t t = k16; t < k; t++)
-                    tail[j] += (int32_t)a[(m0 + i) * kp + t] * (int32_t)w[(n0 + j) * k + t];
-            s = _mm_add_epi32(s, _mm_loadu_si128((const __m128i *)tail));
-        }
-        store_row(e, m0 + i, n0, nr, s);
+    for (int i = 0; i < mr; i++) store_row(e, m0 + i, n0, nr, reduce4(c[i][0], c[i][1], c[i][2], c[i][3]));
+}
+
+/* Rows n0 .. n1 - 1 of the int8 weight [n, k] widened to int16 rows of kp, zero padded. */
+static void widen(const int8_t *w, int64_t k, int64_t kp, int64_t n0, int64_t n1, int16_t *out) {
+    for (int64_t j = n0; j < n1; j++) {
+        const int8_t *src = w + j * k;
+        int16_t *dst = out + (j - n0) * kp;
+        int64_t t = 0;
+        for (; t + 16 <= k; t += 16)
+            _mm256_storeu_si256((__m256i *)(dst + t), _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(src + t))));
+        for (; t < k; t++) dst[t] = src[t];
+        for (; t < kp; t++) dst[t] = 0;
     }
 }
 #endif
 
-#define TILE_CASE(MRV, NRV)                              \
-    case MRV * 8 + NRV:                                  \
-        tile(a, kp, w, k, comp, m0, n0, MRV, NRV, e);    \
+#ifdef SK_VNNI
+#define TILE_ARGS w, k, comp
+#else
+#define TILE_ARGS wb, n0 - nb0
+#endif
+#define TILE_CASE(MRV, NRV)                                  \
+    case MRV * 8 + NRV:                                      \
+        tile(a, kp, TILE_ARGS, m0, n0, MRV, NRV, e);         \
         break;
 
 /* out = epilogue(a @ w.T) for a [m, kp] (the activations, zero padded) and w [n, k]; 0, or -1
  * without memory. */
 static int gemm(const a_t *a, int64_t kp, const int8_t *w, int64_t m, int64_t n, int64_t k, const epilogue_t *e) {
-    int32_t *comp = NULL;
-#ifdef SK_VNNI
-    comp = (int32_t *)malloc((size_t)(n > 0 ? n : 1) * sizeof(int32_t));
-    if (!comp) return -1;
-    offset_sums(w, n, k, comp);
-#endif
     int64_t nb = (W_BLOCK_BYTES / (k > 0 ? k : 1)) / NR * NR;
     if (nb < NR) nb = NR;
+#ifdef SK_VNNI
+    int32_t *comp = (int32_t *)malloc((size_t)(n > 0 ? n : 1) * sizeof(int32_t));
+    if (!comp) return -1;
+    offset_sums(w, n, k, comp);
+#else
+    int16_t *wb = (int16_t *)malloc((size_t)(nb * kp + 16) * sizeof(int16_t));
+    if (!wb) return -1;
+#endif
     for (int64_t nb0 = 0; nb0 < n; nb0 += nb) {
         int64_t nb1 = nb0 + nb < n ? nb0 + nb : n;
+#ifndef SK_VNNI
+        widen(w, k, kp, nb0, nb1, wb);
+#endif
         for (int64_t m0 = 0; m0 < m; m0 += MR) {
             int mr = m - m0 < MR ? (int)(m - m0) : MR;
             for (int64_t n0 = nb0; n0 < nb1; n0 += NR) {
                 int nr = nb1 - n0 < NR ? (int)(nb1 - n0) : NR;
                 if (mr == MR && nr == NR) {
-                    tile(a, kp, w, k, comp, m0, n0, MR, NR, e);
+                    tile(a, kp, TILE_ARGS, m0, n0, MR, NR, e);
                     continue;
                 }
                 switch (mr * 8 + nr) {
@@ -273,7 +290,11 @@ static int gemm(const a_t *a, int64_t kp, const int8_t *w, int64_t m, int64_t n,
             }
         }
     }
+#ifdef SK_VNNI
     free(comp);
+#else
+    free(wb);
+#endif
     return 0;
 }
 
