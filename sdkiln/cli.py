@@ -85,6 +85,8 @@ def cmd_optimize(args) -> int:
         _text(args.model, "model")
     if args.ascend_dtype is not None and args.format != "ascend":
         raise SdkilnError("--ascend-dtype is the dtype of the Ascend files: it needs --format ascend")
+    from sdkiln.model_zoo import DTYPES
+
     t0 = time.perf_counter()
     result = optimize(
         args.model,
@@ -95,6 +97,7 @@ def cmd_optimize(args) -> int:
         deployment=Deployment(num_inference_steps=args.steps, guidance=args.guidance),
         format=args.format,
         ascend_dtype=args.ascend_dtype,
+        dtype=None if args.dtype == "auto" else DTYPES[args.dtype],
     )
     print(
         f"optimized {result.manifest['model']['base_id']} with recipe {args.recipe!r}: "
@@ -290,14 +293,14 @@ def cmd_inspect(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    from sdkiln.model_zoo import get_spec, load_model
+    from sdkiln.model_zoo import DTYPES, get_spec, load_model
     from sdkiln.model_zoo.fingerprint import fingerprint
     from sdkiln.optimizer.evaluate import compare, save_side_by_side
     from sdkiln.runtime import load
 
     optimized = load(args.package, device="cpu", digest=args.digest)
     info = optimized.sdkiln_manifest["model"]
-    base, spec, _ = load_model(args.base or info["base_id"])
+    base, spec, _ = load_model(args.base or info["base_id"], DTYPES.get(info.get("dtype", "")))
     if spec.name != info["family"]:
         spec = get_spec(info["family"])
     found = fingerprint(getattr(base, info["transformer_attr"]))
@@ -363,6 +366,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=GUIDANCE,
         default=None,
         help="guidance scale the package is made for (like --steps)",
+    )
+    o.add_argument(
+        "--dtype",
+        choices=["auto", "bfloat16", "float16", "float32"],
+        default="auto",
+        help="dtype every component of a model given by name or directory is loaded and optimized in "
+        "(auto: the dtype its transformer is stored in; a zoo model: float32)",
     )
     o.add_argument(
         "--format",

@@ -95,6 +95,7 @@ def optimize(
     base_id: str | None = None,
     format: str = "package",
     ascend_dtype: str | None = None,
+    dtype: torch.dtype | None = None,
 ) -> OptimizeResult:
     """Optimize ``model`` (a pipeline, a zoo name, a local diffusers directory, or None for the
     embedded model) with ``recipe`` and, if ``out_dir`` is given, write the package there.
@@ -111,6 +112,10 @@ def optimize(
     against other sdkiln writers before anything is loaded, so a wrong ``--out`` fails at once, not
     after minutes of calibration, and stays reserved until the package is written.
 
+    ``dtype`` is the dtype a model given by name or directory is loaded and optimized in (every
+    component in it; default: the dtype its transformer is stored in). A pipeline object is
+    optimized in the dtypes it has.
+
     ``format="ascend"`` also writes MindIE SD's files to ``<out_dir>-ascend`` (``export_ascend``,
     ``ascend_dtype`` its ``dtype``) and makes the package for it: the recipe is checked before any
     calibration (``sdkiln.export.ascend.ascend_recipe``) and SmoothQuant keeps input multipliers.
@@ -121,6 +126,8 @@ def optimize(
         raise ValueError("format='ascend' writes beside the package: give out_dir")
     if format != "ascend" and ascend_dtype is not None:
         raise ValueError("ascend_dtype is the dtype of the Ascend files: it needs format='ascend'")
+    if dtype is not None and not (isinstance(model, str | os.PathLike) or model is None):
+        raise ValueError("dtype sets the dtype a model is loaded in: give the model by name or directory")
     with contextlib.ExitStack() as reserved:
         if out_dir is not None:
             reserved.enter_context(target_lock(Path(out_dir)))
@@ -132,7 +139,7 @@ def optimize(
         asked = recipe
         recipe = resolve_recipe(asked)  # an unknown name fails before the model loads
         if isinstance(model, str | os.PathLike) or model is None:
-            base, spec, base_id = load_model(None if model is None else str(model))
+            base, spec, base_id = load_model(None if model is None else str(model), dtype)
         else:
             base, spec = model, spec_for_pipeline(model)
             base_id = base_id or getattr(model, "name_or_path", None) or spec.name

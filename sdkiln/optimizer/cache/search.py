@@ -45,6 +45,7 @@ from sdkiln.calibrate.cache_profile import HEATMAP_FILE, PROFILE_FILE, heatmap_p
 from sdkiln.calibrate.loop import PromptLoop
 from sdkiln.calibrate.trajectories import Trajectories
 from sdkiln.configs import CacheAutoConfig
+from sdkiln.errors import RecipeError
 from sdkiln.model_zoo.fingerprint import fingerprint
 from sdkiln.optimizer.cache.layout import block_layout, run_sigmas
 from sdkiln.optimizer.cache.plan import ErrorModel, Segment, fill_gaps
@@ -75,7 +76,19 @@ class Search:
         self.num_steps = self.traj.num_steps
         self.blocks = block_layout(ctx.spec, ctx.transformer)
         self.num_blocks = sum(b.count for b in self.blocks)
-        self.actions = [Action.parse(a) for a in config.actions]
+        actions = [Action.parse(a) for a in config.actions]
+        # a partial action needs a middle block to reuse: sd3-tiny's 2 blocks have none for partial:1:1
+        self.actions = [a for a in actions if a.kind != "partial" or a.first + a.last < self.num_blocks]
+        self.dropped = [str(a) for a in actions if a not in self.actions]
+        if not self.actions:
+            raise RecipeError(
+                f"cache_auto: none of the actions {', '.join(config.actions)} fits a stack of "
+                f"{self.num_blocks} blocks; add skip"
+            )
+        if self.dropped:
+            tqdm.write(
+                f"cache search: {', '.join(self.dropped)} left out: no middle block of {self.num_blocks} to reuse"
+            )
         self.sigmas: list[float] = []
         self.model = ErrorModel(self.num_steps, self.num_blocks, config.min_full, config.max_reuse)
 
@@ -370,7 +383,8 @@ def apply_cache_auto(ctx: TransformContext, config: CacheAutoConfig) -> Transfor
             "to the final latents), confirmed end to end"
         ),
         "constraints": {"min_full": config.min_full, "max_reuse": config.max_reuse, "last_step": "full"},
-        "actions": list(config.actions),
+        "actions": [str(a) for a in search.actions],
+        "actions_left_out": search.dropped,
         "calibration": calib.record(),
         "floor": {"psnr_mean_db": config.psnr_floor_db, "psnr_p5_db": config.psnr_p5_floor_db},
         "front": front,
