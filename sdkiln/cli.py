@@ -94,7 +94,13 @@ def cmd_optimize(args) -> int:
         args.out,
         force=args.force,
         eval_samples=args.eval_samples,
-        deployment=Deployment(num_inference_steps=args.steps, guidance=args.guidance),
+        deployment=Deployment(
+            num_inference_steps=args.steps,
+            guidance=args.guidance,
+            height=args.height,
+            width=args.width,
+            num_frames=args.frames,
+        ),
         format=args.format,
         ascend_dtype=args.ascend_dtype,
         dtype=None if args.dtype == "auto" else DTYPES[args.dtype],
@@ -366,6 +372,18 @@ def build_parser() -> argparse.ArgumentParser:
         type=GUIDANCE,
         default=None,
         help="guidance scale the package is made for (like --steps)",
+    )
+    o.add_argument(
+        "--height", type=SIZE, default=None, help="image height the package is made for (like --steps)"
+    )
+    o.add_argument(
+        "--width", type=SIZE, default=None, help="image width the package is made for (like --steps)"
+    )
+    o.add_argument(
+        "--frames",
+        type=bounded(int, 1, 10_000),
+        default=None,
+        help="frames a video package is made for (like --steps)",
     )
     o.add_argument(
         "--dtype",

@@ -157,6 +157,10 @@ class ModelSpec:
     """The pipeline call argument that sets classifier-free guidance."""
     call_defaults: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments for a pipeline call: steps, guidance, resolution, anything family-specific."""
+    size_multiple: int = 16
+    """Height and width must be multiples of this (the VAE's downscale times the patch size)."""
+    frame_step: int | None = None
+    """A video family's frame counts are ``frame_step * k + 1`` (the VAE's temporal downscale)."""
     eval_prompts: tuple[str, ...] = ("a photo of a cat",)
     """Held-out prompts for the quality report."""
     calibration_prompts: tuple[str, ...] = ("a photo of a dog",)

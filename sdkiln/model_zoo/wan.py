@@ -95,6 +95,7 @@ SPEC = ModelSpec(
     # a video model's attention is most of its time: its default recipe adds calibrated sparse attention
     default_recipe="quant-auto+cache-auto+sparse-attn",
     build=tiny,
+    frame_step=4,  # Wan's VAE compresses time by 4: 4k + 1 frames
     guidance_arg="guidance_scale",
     call_defaults={
         "num_inference_steps": 4,

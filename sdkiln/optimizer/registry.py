@@ -46,13 +46,27 @@ class TransformContext:
 
     def check_deployment(self) -> None:
         """Refuse a resolution setting the family's pipeline call does not take (``num_frames`` for
-        an image model)."""
+        an image model) or cannot take (a height that is not a multiple of its ``size_multiple``, a
+        frame count off its ``frame_step``)."""
+        d, spec = self.deployment, self.spec
         for name in ("height", "width", "num_frames"):
-            if getattr(self.deployment, name) is not None and name not in self.spec.call_defaults:
+            if getattr(d, name) is not None and name not in spec.call_defaults:
                 raise RecipeError(
-                    f"the recipe deploys at {name}={getattr(self.deployment, name)}, but {self.spec.name} "
+                    f"the recipe deploys at {name}={getattr(d, name)}, but {spec.name} "
                     f"calls its pipeline without {name}"
                 )
+        for name in ("height", "width"):
+            value = getattr(d, name)
+            if value is not None and value % spec.size_multiple:
+                raise RecipeError(
+                    f"the recipe deploys at {name}={value}, but {spec.name} takes multiples of "
+                    f"{spec.size_multiple} (its VAE's downscale times its patch size)"
+                )
+        if d.num_frames is not None and spec.frame_step and (d.num_frames - 1) % spec.frame_step:
+            raise RecipeError(
+                f"the recipe deploys at num_frames={d.num_frames}, but {spec.name} takes "
+                f"{spec.frame_step}k + 1 frames (e.g. {spec.frame_step * ((d.num_frames - 1) // spec.frame_step) + 1})"
+            )
 
     @property
     def num_inference_steps(self) -> int:
