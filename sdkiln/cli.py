@@ -100,6 +100,7 @@ def cmd_optimize(args) -> int:
             height=args.height,
             width=args.width,
             num_frames=args.frames,
+            max_sequence_length=args.max_sequence_length,
         ),
         format=args.format,
         ascend_dtype=args.ascend_dtype,
@@ -384,6 +385,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=bounded(int, 1, 10_000),
         default=None,
         help="frames a video package is made for (like --steps)",
+    )
+    o.add_argument(
+        "--max-sequence-length",
+        type=bounded(int, 1, 4096),
+        default=None,
+        help="text tokens the prompt is encoded to (like --steps; FLUX.1-dev ships at 512)",
     )
     o.add_argument(
         "--dtype",

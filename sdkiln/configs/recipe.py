@@ -107,10 +107,12 @@ class Deployment:
     height: int | None = None
     width: int | None = None
     num_frames: int | None = None
+    max_sequence_length: int | None = None
+    """Text tokens the prompt is encoded to (T5's padding length in FLUX, SD3 and Wan)."""
     version: ClassVar[int] = 1
 
     def __post_init__(self) -> None:
-        for name in ("num_inference_steps", "height", "width", "num_frames"):
+        for name in ("num_inference_steps", "height", "width", "num_frames", "max_sequence_length"):
             _positive_int(name, getattr(self, name))
         if self.guidance is not None and (
             isinstance(self.guidance, bool)

@@ -161,6 +161,8 @@ class ModelSpec:
     """Height and width must be multiples of this (the VAE's downscale times the patch size)."""
     frame_step: int | None = None
     """A video family's frame counts are ``frame_step * k + 1`` (the VAE's temporal downscale)."""
+    max_text_tokens: int = 512
+    """The most ``max_sequence_length`` the family's pipeline takes (T5's 512 in FLUX, SD3, Wan)."""
     eval_prompts: tuple[str, ...] = ("a photo of a cat",)
     """Held-out prompts for the quality report."""
     calibration_prompts: tuple[str, ...] = ("a photo of a dog",)

@@ -42,6 +42,7 @@ class TransformContext:
             height=d.height,
             width=d.width,
             num_frames=d.num_frames,
+            max_sequence_length=d.max_sequence_length,
         )
 
     def check_deployment(self) -> None:
@@ -49,7 +50,7 @@ class TransformContext:
         an image model) or cannot take (a height that is not a multiple of its ``size_multiple``, a
         frame count off its ``frame_step``)."""
         d, spec = self.deployment, self.spec
-        for name in ("height", "width", "num_frames"):
+        for name in ("height", "width", "num_frames", "max_sequence_length"):
             if getattr(d, name) is not None and name not in spec.call_defaults:
                 raise RecipeError(
                     f"the recipe deploys at {name}={getattr(d, name)}, but {spec.name} "
@@ -62,6 +63,11 @@ class TransformContext:
                     f"the recipe deploys at {name}={value}, but {spec.name} takes multiples of "
                     f"{spec.size_multiple} (its VAE's downscale times its patch size)"
                 )
+        if d.max_sequence_length is not None and d.max_sequence_length > spec.max_text_tokens:
+            raise RecipeError(
+                f"the recipe deploys at max_sequence_length={d.max_sequence_length}, but {spec.name}'s "
+                f"pipeline takes at most {spec.max_text_tokens} text tokens"
+            )
         if d.num_frames is not None and spec.frame_step and (d.num_frames - 1) % spec.frame_step:
             raise RecipeError(
                 f"the recipe deploys at num_frames={d.num_frames}, but {spec.name} takes "
