@@ -83,9 +83,10 @@ def load_model(model: str | None = None, dtype: torch.dtype | None = None):
     """A zoo name (or None: the embedded model), a local diffusers directory or a
     ``modelscope://ORG/NAME`` id (``sdkiln.hub``) -> (pipeline, spec, id).
 
-    Every component is loaded in one dtype: ``dtype``, else the dtype the transformer is stored in
-    (a zoo model: float32; diffusers' ``dtype``). A real FLUX or SD3 directory stores 16-bit weights; loading some
-    components in fp32 and the rest as stored fails at the first forward."""
+    Every component is loaded in one dtype (diffusers' ``dtype``): ``dtype``, else the dtype the
+    transformer is stored in; a zoo model is built in float32 and cast when ``dtype`` says so. A real
+    FLUX or SD3 directory stores 16-bit weights, and loading some components in fp32 and the rest as
+    stored fails at the first forward."""
     if model is None or model in _SPEC_MODULES:
         spec = get_spec(model)
         pipe = spec.build()
