@@ -278,12 +278,16 @@ def inexact_products() -> tuple[str, ...]:
 
 def _measure_fused(gen: torch.Generator) -> dict[str, float]:
     """``fused_small:<product>``: one fused dynamic W8A8 linear at ``SMALL_SHAPE`` per product (only
-    where the native kernels, which the fused linears need, are available)."""
-    from sdkiln.kernels.cpu import int8 as cpu_int8
+    where the native kernels, which the fused linears need, are available). Timing them loads the
+    CPU's kernels (``load_device_kernels("cpu")``), the one way a device's kernels register."""
     from sdkiln.kernels.cpu import native
+    from sdkiln.kernels.registry import load_device_kernels
 
     if not native.available():
         return {}
+    load_device_kernels("cpu")
+    from sdkiln.kernels.cpu import int8 as cpu_int8
+
     m, k, n = SMALL_SHAPE
     x = torch.randn(m, k, generator=gen)
     w = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen)

@@ -162,10 +162,13 @@ def define(schema: str, *, reference: Callable, fake: Callable, differentiable: 
 
 def define_composite(name: str, reference: Callable) -> None:
     """Define the composite ``name``: ``reference(*args)`` calls registered ops; kernels fuse them
-    (module docstring). Its first argument is a Tensor, as an op's."""
-    if name in _OPS or _COMPOSITES.get(name, reference) is not reference:
+    (module docstring). Its first argument is a Tensor, as an op's. Defining it again from the same
+    function (a reloaded family module) keeps the first definition, as ``define`` does."""
+    first = _COMPOSITES.get(name, reference)
+    where = (first.__module__, first.__qualname__)
+    if name in _OPS or where != (reference.__module__, reference.__qualname__):
         raise ValueError(f"{NAMESPACE}: {name!r} is already defined")
-    _COMPOSITES[name] = reference
+    _COMPOSITES.setdefault(name, reference)
 
 
 def composite_names() -> list[str]:
