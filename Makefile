@@ -12,7 +12,7 @@ export OMP_NUM_THREADS ?= 1
 export HF_HUB_OFFLINE := 1
 export TORCH_DEVICE_BACKEND_AUTOLOAD := 0
 
-.PHONY: setup setup-test setup-bench demo test test-all lint dataset bench-quant bench-cache bench-kernels bench-parallel bench-sparse readme-numbers fuzz clean
+.PHONY: setup setup-test setup-bench demo test test-all lint dataset bench-quant bench-cache bench-kernels bench-parallel bench-sparse bench-scale gpu-wheels gpu-pass readme-numbers fuzz clean
 
 $(PY):
 	@if $(PYTHON) -c "import torch" >/dev/null 2>&1; then \
@@ -112,6 +112,32 @@ bench-parallel: setup-bench
 # 10 minutes on 2 cores, OMP_NUM_THREADS=2): bench/results/sparse_cpu.json.
 bench-sparse: setup-bench
 	$(PY) bench/sparse.py
+
+# Real-width optimize: FLUX.1-dev cut to 2+4 and 4+8 blocks and Wan2.1-14B cut to 2 blocks, random
+# weights, each `sdkiln optimize` a child whose peak RSS is held to 1.3 x the pipeline's bytes + 1.5 GB
+# (about 20 GB of RAM and many minutes; ARGS=--dry-run prints the plan): bench/results/scale_cpu.json.
+bench-scale: setup
+	$(PY) bench/scale.py $(ARGS)
+
+# The GPU pass (docs/performance.md): CUDA tests, bench/kernels.py, bench/e2e.py and bench/scale.py --full
+# in one command of at most 9 minutes, on a machine with torch and triton but no network; ARGS=--dry-run
+# rehearses every part on CPU. gpu-wheels, on a networked machine, fetches the wheels such a machine lacks
+# (GPU_WHEEL_PACKAGES, at this venv's versions, for Python $(GPU_PYTHON)) into $(GPU_WHEELS).
+GPU_WHEELS ?= build/gpu-wheels
+GPU_WHEEL_PACKAGES ?= diffusers importlib_metadata torchao
+GPU_PYTHON ?= 3.12
+GPU_PLATFORMS := manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_24_x86_64 manylinux_2_17_x86_64 \
+	manylinux2014_x86_64 manylinux1_x86_64
+gpu-wheels: setup-test
+	rm -rf $(GPU_WHEELS) && mkdir -p $(GPU_WHEELS)
+	$(PIP) download -q --no-deps --only-binary=:all: --python-version $(GPU_PYTHON) --implementation cp \
+		$(addprefix --platform ,$(GPU_PLATFORMS)) -d $(GPU_WHEELS) $$($(PY) -c "import sys; \
+		from importlib.metadata import version; print(' '.join(f'{n}=={version(n)}' for n in sys.argv[1:]))" \
+		$(GPU_WHEEL_PACKAGES))
+	@ls $(GPU_WHEELS)
+
+gpu-pass:
+	GPU_WHEELS=$(GPU_WHEELS) OMP_NUM_THREADS=$(shell nproc 2>/dev/null || echo 1) bash tools/gpu_pass.sh $(ARGS)
 
 # The README's "Times" section: tools/readme_numbers.py runs `make test` and `make demo` here (about
 # 10 minutes on 2 cores; run it on a quiet machine), times them, reads what they print, and rewrites

@@ -53,6 +53,7 @@ from sdkiln import kernels  # noqa: E402
 from sdkiln.configs import Deployment, RecipeConfig, Sparse24Config, SparseAttentionConfig  # noqa: E402
 from sdkiln.kernels.ops.attention import attention_reference  # noqa: E402
 from sdkiln.metrics import paired_interval, psnr  # noqa: E402
+from sdkiln.model_zoo import get_spec
 from sdkiln.optimizer.evaluate import generate  # noqa: E402
 from sdkiln.optimizer.optimize import optimize  # noqa: E402
 from sdkiln.runtime.sparse import sparse_attention_of  # noqa: E402
@@ -141,7 +142,7 @@ def embedded_part(samples: int) -> dict:
     for name, config in plans.items():
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # a fixed dense-step count: the floor is not the point here
-            made = optimize(None, RecipeConfig(name, [config], dep), None, eval_samples=0)
+            made = optimize(get_spec(None).build(), RecipeConfig(name, [config], dep), None, eval_samples=0)
         spec = made.spec
         call = spec.call_kwargs(num_inference_steps=28)
         prompts = [spec.eval_prompts[i % len(spec.eval_prompts)] for i in range(samples)]

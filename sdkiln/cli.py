@@ -105,6 +105,8 @@ def cmd_optimize(args) -> int:
         format=args.format,
         ascend_dtype=args.ascend_dtype,
         dtype=None if args.dtype == "auto" else DTYPES[args.dtype],
+        device=args.device,
+        eval_batch=args.eval_batch,
     )
     print(
         f"optimized {result.manifest['model']['base_id']} with recipe {args.recipe!r}: "
@@ -265,7 +267,9 @@ def cmd_inspect(args) -> int:
         f"package {pkg.root}: {m['format']} v{m['schema_version']}, sdkiln {m['sdkiln_version']}, {m['created']}"
     )
     print(f"digest: {pkg.digest}  (pin it: sdkiln run --digest, sdkiln.load(..., digest=))")
-    print(f"model: {m['model']['base_id']} ({m['model']['pipeline_class']}, {m['model']['dtype']})")
+    info = m["model"]
+    variant = f" {info['variant']}" if "variant" in info else ""
+    print(f"model: {info['base_id']} ({info['family']}{variant}; {info['pipeline_class']}, {info['dtype']})")
     print(f"recipe: {summary['recipe']}  recipe steps: {', '.join(summary['steps']) or '(none)'}")
     print(f"sections: {', '.join(summary['sections']) or '(none)'}")
     print(
@@ -300,16 +304,23 @@ def cmd_inspect(args) -> int:
 
 
 def cmd_eval(args) -> int:
+    import gc
+
+    from sdkiln import kernels
     from sdkiln.model_zoo import DTYPES, get_spec, load_model
     from sdkiln.model_zoo.fingerprint import fingerprint
-    from sdkiln.optimizer.evaluate import compare, save_side_by_side
+    from sdkiln.optimizer.evaluate import measure, reference, save_side_by_side
     from sdkiln.runtime import load
+    from sdkiln.runtime.package import open_package
 
-    optimized = load(args.package, device="cpu", digest=args.digest)
-    info = optimized.sdkiln_manifest["model"]
-    base, spec, _ = load_model(args.base or info["base_id"], DTYPES.get(info.get("dtype", "")))
-    if spec.name != info["family"]:
-        spec = get_spec(info["family"])
+    # The base model runs first and is freed before the package loads: one model in memory.
+    target = kernels.resolve_device(args.device)  # a device this machine lacks fails before any load
+    manifest = open_package(args.package, digest=args.digest).manifest  # verified; its bytes dropped
+    info = manifest["model"]
+    base, _, _ = load_model(args.base or info["base_id"], DTYPES.get(info.get("dtype", "")), target)
+    # the package's family and variant decide, not what the base is detected as (a package made
+    # before variants records the zoo name, "flux-tiny", and no variant: the zoo build)
+    spec = get_spec(info["family"], info.get("variant"))
     found = fingerprint(getattr(base, info["transformer_attr"]))
     for key in ("config_hash", "weights_hash"):
         if found[key] != info[key]:
@@ -317,15 +328,21 @@ def cmd_eval(args) -> int:
                 f"{Path(args.package) / 'manifest.json'}: base model {info['base_id']!r} does not match the package "
                 f"({key.replace('_', ' ')} {found[key][:12]} != {info[key][:12]})"
             )
-    call = dict(optimized.sdkiln_manifest["call"]["defaults"])  # the deployment the package was made for
+    call = dict(manifest["call"]["defaults"])  # the deployment the package was made for
     if args.steps is not None:
         call["num_inference_steps"] = args.steps
     if args.guidance is not None:
         call[spec.guidance_arg] = args.guidance
-    with failures_outside_sdkiln("comparing the package with its base model"):
-        report, base_imgs, opt_imgs = compare(base, optimized, spec, args.num_samples, call)
+    base.to(target)
+    with failures_outside_sdkiln("running the base model"):
+        ref = reference(base, spec, args.num_samples, call, batch_size=args.eval_batch)
+    del base
+    gc.collect()
+    optimized = load(args.package, device=args.device, digest=args.digest)
+    with failures_outside_sdkiln("running the package"):
+        report, opt_imgs = measure(optimized, spec, ref, args.eval_batch)
     if args.grid:
-        save_side_by_side(base_imgs, opt_imgs, args.grid)
+        save_side_by_side(ref.images, opt_imgs, args.grid)
     if args.json:
         print(json.dumps(report, indent=2))
     else:
@@ -398,6 +415,18 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="dtype every component of a model given by name or directory is loaded and optimized in "
         "(auto: the dtype its transformer is stored in; a zoo model: float32)",
+    )
+    o.add_argument(
+        "--device",
+        default="cpu",
+        help="where the model is loaded, calibrated, searched and measured: cpu, cuda, cuda:1, npu or auto "
+        "(the accelerator if there is one)",
+    )
+    o.add_argument(
+        "--eval-batch",
+        type=bounded(int, 1, 1024),
+        default=None,
+        help="quality-report samples generated at once (default: what the deployment's size allows)",
     )
     o.add_argument(
         "--format",
@@ -480,6 +509,15 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--steps", type=STEPS, default=None, help="default: the package's deployment")
     e.add_argument("--guidance", type=GUIDANCE, default=None, help="default: the package's deployment")
     e.add_argument("--digest", default=None, help="refuse the package unless its digest is this sha256:...")
+    e.add_argument(
+        "--device", default="cpu", help="where both models run, one after the other: cpu, cuda, auto, ..."
+    )
+    e.add_argument(
+        "--eval-batch",
+        type=bounded(int, 1, 1024),
+        default=None,
+        help="samples generated at once (default: what the deployment's size allows)",
+    )
     e.add_argument("--grid", default=None, help="write a side-by-side PNG (original left, optimized right)")
     e.add_argument("--json", action="store_true")
     e.set_defaults(func=cmd_eval)

@@ -164,5 +164,5 @@ def test_optimize_from_a_local_diffusers_directory(tmp_path, capsys):
     )
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["model"]["base_id"] == str((tmp_path / "base").resolve())
-    assert manifest["model"]["family"] == "flux-tiny"
+    assert (manifest["model"]["family"], manifest["model"]["variant"]) == ("flux", "tiny")
     assert main(["eval", str(out), "--num-samples", "1", "--json"]) == 0

@@ -11,7 +11,8 @@ and per step and branch the cheap indicators that threshold-based caches use: th
 residual change (First Block Cache, DBCache) and the stack input's change (TeaCache's modulated
 input is the stack input plus the timestep; the input change is its model-free part), plus the
 change of the transformer's output. Nothing is stored across steps but the previous step's
-residuals, so memory does not grow with the step count.
+residuals, in the model's dtype (a bf16 model's in bf16; the statistics are computed in fp32), so
+memory does not grow with the step count.
 
 Branches are the calls of one step in order (``call0``, ``call1``; one call for a pipeline that
 batches its CFG branches).
@@ -71,8 +72,8 @@ def profile(traj: Trajectories, layout: list[BlockLayout]) -> dict[str, Any]:
         row = {"step": step, "blocks": [None] * len(blocks)}
         key = (branch, "input")
         if key in prev:
-            row["input_change"] = _rel_l1(hidden.float(), prev[key])
-        prev[key] = hidden.detach().float().clone()
+            row["input_change"] = _rel_l1(hidden.float(), prev[key].float())
+        prev[key] = hidden.detach().clone()
         current["row"], current["branch"] = row, branch
 
     def end(_module, _args, _kwargs, output):
@@ -80,8 +81,8 @@ def profile(traj: Trajectories, layout: list[BlockLayout]) -> dict[str, Any]:
         key = (current["branch"], "output")
         row = current["row"]
         if key in prev:
-            row["output_change"] = _rel_l1(out.float(), prev[key])
-        prev[key] = out.detach().float().clone()
+            row["output_change"] = _rel_l1(out.float(), prev[key].float())
+        prev[key] = out.detach().clone()
         first = row["blocks"][0]
         if first is not None and "rel_l1" in first:
             row["first_block_change"] = first["rel_l1"]
@@ -90,14 +91,17 @@ def profile(traj: Trajectories, layout: list[BlockLayout]) -> dict[str, Any]:
     def block_hook(position: int):
         def hook(_module, args, kwargs, output):
             values = output if isinstance(output, tuple) else (output,)
-            out = dict(zip(outputs[position], values, strict=True))[STREAM].float()
+            raw = dict(zip(outputs[position], values, strict=True))[STREAM]
+            out = raw.float()
             inp = kwargs[STREAM].float() if STREAM in kwargs else args[0].float()
             residual = out - inp
             entry = {"norm_ratio": float(residual.norm() / inp.norm().clamp_min(1e-12))}
             key = (current["branch"], position)
-            if key in prev:
-                entry |= {"rel_l1": _rel_l1(residual, prev[key]), "cosine": _cosine(residual, prev[key])}
-            prev[key] = residual.detach().clone()
+            kept = residual.detach().to(raw.dtype)  # kept in the model's dtype, not fp32
+            if key in prev:  # both residuals rounded alike, so the rounding adds no change of its own
+                now, last = kept.float(), prev[key].float()
+                entry |= {"rel_l1": _rel_l1(now, last), "cosine": _cosine(now, last)}
+            prev[key] = kept
             current["row"]["blocks"][position] = entry
 
         return hook

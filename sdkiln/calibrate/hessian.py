@@ -5,12 +5,13 @@ An accumulator keeps one fp32 [K, K] running mean and a row count, never activat
 fixed however many prompts the loop runs. K x K per layer adds up on a large model (FLUX's 12288-wide
 MLP inputs take 600 MB each), so ``collect_hessians`` observes the layers in groups whose matrices
 fit ``max_bytes`` together and runs the forward loop once per group: a small model takes one pass,
-a large one a few.
+a large one a few. ``iter_hessians`` hands over one group at a time so a caller (GPTQ) rounds and
+frees it before the next group is collected.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -55,25 +56,31 @@ def hessian_groups(widths: dict[str, int], max_bytes: int) -> list[list[str]]:
     return groups
 
 
-def collect_hessians(
-    pipeline: Any,
-    transformer_attr: str,
-    names: list[str],
-    forward_loop: Callable[[Any], None],
-    max_bytes: int,
-) -> dict[str, HessianAccumulator]:
-    """Run ``forward_loop(pipeline)`` once per group of layers (``hessian_groups``) with a
-    ``HessianAccumulator`` on each named ``nn.Linear``'s input."""
-    transformer = getattr(pipeline, transformer_attr)
+def layer_widths(transformer: nn.Module, names: list[str]) -> dict[str, int]:
+    """Each named ``nn.Linear``'s input width (its Hessian is [K, K])."""
     widths = {}
     for name in names:
         module = transformer.get_submodule(name)
         if not isinstance(module, nn.Linear):
             raise TypeError(f"{name} is a {type(module).__name__}, not an nn.Linear")
         widths[name] = module.in_features
-    groups = hessian_groups(widths, max_bytes)
-    out: dict[str, HessianAccumulator] = {}
-    for group in groups:
+    return widths
+
+
+def iter_hessians(
+    pipeline: Any,
+    transformer_attr: str,
+    names: list[str],
+    forward_loop: Callable[[Any], None],
+    max_bytes: int,
+) -> Iterator[dict[str, HessianAccumulator]]:
+    """One group of layers at a time (``hessian_groups``): run ``forward_loop(pipeline)`` with a
+    ``HessianAccumulator`` on each of the group's ``nn.Linear`` inputs and yield them. The caller
+    uses and drops a group before asking for the next, so at most one group's matrices are alive;
+    whatever it changes in the model meanwhile (a group's layers quantized) is what the next group's
+    loop runs."""
+    transformer = getattr(pipeline, transformer_attr)
+    for group in hessian_groups(layer_widths(transformer, names), max_bytes):
         accs = {name: HessianAccumulator() for name in group}
         with observing(pipeline, transformer_attr, {n: a.update for n, a in accs.items()}):
             forward_loop(pipeline)
@@ -84,5 +91,20 @@ def collect_hessians(
                 )
             if not bool(torch.isfinite(acc.matrix).all()):
                 raise ValueError(f"{name} saw non-finite inputs during calibration")
+        yield accs
+        del accs
+
+
+def collect_hessians(
+    pipeline: Any,
+    transformer_attr: str,
+    names: list[str],
+    forward_loop: Callable[[Any], None],
+    max_bytes: int,
+) -> dict[str, HessianAccumulator]:
+    """Every named layer's accumulator at once (``iter_hessians`` merged; for small models and tests:
+    it keeps every group's matrices)."""
+    out: dict[str, HessianAccumulator] = {}
+    for accs in iter_hessians(pipeline, transformer_attr, names, forward_loop, max_bytes):
         out.update(accs)
     return out

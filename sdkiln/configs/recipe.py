@@ -97,9 +97,10 @@ def _positive_int(name: str, value: Any) -> None:
 
 @dataclass(frozen=True)
 class Deployment:
-    """The pipeline call a recipe optimizes for; None leaves the model family's default.
+    """The pipeline call a recipe optimizes for; None leaves the model variant's default.
 
-    ``guidance`` is the family's guidance argument (``guidance_scale``, FLUX's ``true_cfg_scale``).
+    ``guidance`` is the variant's guidance argument (``guidance_scale``; the FLUX test build's
+    ``true_cfg_scale``).
     """
 
     num_inference_steps: int | None = None

@@ -32,12 +32,28 @@ from sdkiln.runtime.package import (
 )
 
 
+def _host(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` as safetensors writes it: on the CPU and contiguous, without a copy when it already
+    is (safetensors writes from the tensors' memory); a view that shares storage with another
+    tensor (safetensors refuses shared memory) is copied, that one tensor only."""
+    t = tensor.detach().cpu().contiguous()
+    if t.untyped_storage().nbytes() != t.numel() * t.element_size():
+        t = t.clone()
+    return t
+
+
 def transformer_tensors(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], list[str]]:
-    """The state dict plus non-persistent buffers (the runtime builds on meta and needs them too)."""
-    tensors = {k: v.detach().cpu().contiguous().clone() for k, v in model.state_dict().items()}
-    extra = [n for n, _ in model.named_buffers() if n not in tensors]
-    for name in extra:
-        tensors[name] = model.get_buffer(name).detach().cpu().contiguous().clone()
+    """The state dict plus non-persistent buffers (the runtime builds on meta and needs them too),
+    sharing the model's memory on the CPU: no second copy of the model while the file is written."""
+    state = model.state_dict()
+    extra = [n for n, _ in model.named_buffers() if n not in state]
+    tensors, seen = {}, set()
+    for name, value in [*state.items(), *((n, model.get_buffer(n)) for n in extra)]:
+        t = _host(value)
+        if t.numel() and t.data_ptr() in seen:  # a tied tensor under a second name: its own bytes
+            t = t.clone()
+        seen.add(t.data_ptr())
+        tensors[name] = t
     return tensors, extra
 
 

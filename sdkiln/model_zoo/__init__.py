@@ -1,25 +1,32 @@
-"""One ModelSpec per model family. ``get_spec(name)`` resolves a CLI model name."""
+"""One ModelSpec per model family. ``get_spec(name)`` resolves a CLI model name or a manifest's
+family; ``load_model`` detects which variant of its family a diffusers directory holds."""
 
 from __future__ import annotations
 
 import importlib
+import inspect
 import json
 import struct
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from sdkiln import hub
 from sdkiln.errors import ModelError, third_party
-from sdkiln.model_zoo.spec import AttentionSite, BlockList, ModelSpec
+from sdkiln.model_zoo.spec import AttentionSite, BlockList, ModelSpec, Variant
 
-# name -> module that defines SPEC. Modules import lazily so `import sdkiln` stays light.
-_SPEC_MODULES = {
+# family -> module that defines SPEC, the family resolved to its zoo build. Modules import lazily so
+# `import sdkiln` stays light.
+_FAMILY_MODULES = {
     "fmnist-flux": "sdkiln.model_zoo.fmnist.spec",
-    "flux-tiny": "sdkiln.model_zoo.flux",
-    "sd3-tiny": "sdkiln.model_zoo.sd3",
-    "wan-tiny": "sdkiln.model_zoo.wan",
+    "flux": "sdkiln.model_zoo.flux",
+    "sd3": "sdkiln.model_zoo.sd3",
+    "wan": "sdkiln.model_zoo.wan",
 }
+# zoo name (a model `optimize` builds by name; the family packages made before variants record) -> family
+_ZOO = {"fmnist-flux": "fmnist-flux", "flux-tiny": "flux", "sd3-tiny": "sd3", "wan-tiny": "wan"}
 DEFAULT_MODEL = "fmnist-flux"
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 """The dtypes a model is optimized in (``optimize --dtype``)."""
@@ -28,28 +35,83 @@ _HEADER_LIMIT = 100 * 2**20
 
 
 def spec_names() -> list[str]:
-    return list(_SPEC_MODULES)
+    """The zoo names: the models ``optimize`` builds by name."""
+    return list(_ZOO)
 
 
-def get_spec(name: str | None = None) -> ModelSpec:
+def get_spec(name: str | None = None, variant: str | None = None) -> ModelSpec:
+    """The spec of a zoo name (``flux-tiny``) or a family (``flux``), resolved to ``variant``; without
+    one, to the zoo build. A manifest's ``model.family`` and ``model.variant`` go here (a package made
+    before variants records the zoo name and no variant)."""
     name = name or DEFAULT_MODEL
-    if name not in _SPEC_MODULES:
+    family = _ZOO.get(name, name)
+    if family not in _FAMILY_MODULES:
         raise ModelError(
-            f"unknown model {name!r}: not a model name ({', '.join(_SPEC_MODULES)}) nor a directory"
+            f"unknown model {name!r}: not a model name ({', '.join(_ZOO)}), a family "
+            f"({', '.join(_FAMILY_MODULES)}) nor a directory"
         )
-    return importlib.import_module(_SPEC_MODULES[name]).SPEC
+    spec = importlib.import_module(_FAMILY_MODULES[family]).SPEC
+    return spec if variant is None else spec.resolve(variant)
+
+
+def _families() -> list[ModelSpec]:
+    return [get_spec(family) for family in _FAMILY_MODULES]
 
 
 def spec_for_pipeline(pipeline) -> ModelSpec:
-    """The spec whose pipeline class matches ``pipeline`` (for models loaded from a directory)."""
+    """The spec whose pipeline class matches ``pipeline``, resolved to the variant its transformer's
+    config is (for a pipeline object given to ``optimize``)."""
     cls = f"{type(pipeline).__module__}:{type(pipeline).__name__}"
     short = type(pipeline).__name__
-    for name in _SPEC_MODULES:
-        spec = get_spec(name)
+    for spec in _families():
         if spec.pipeline_class == cls or spec.pipeline_class.split(":")[-1] == short:
-            return spec
+            spec.refuse_layout(pipeline.config, f"{short} object")
+            return spec.detect(getattr(pipeline, spec.transformer_attr).config, f"{short} object")
     raise ModelError(
-        f"no sdkiln model spec for pipeline class {short}; known families: {', '.join(_SPEC_MODULES)}"
+        f"no sdkiln model spec for pipeline class {short}; known families: {', '.join(_FAMILY_MODULES)}"
+    )
+
+
+def _read_json(path: Path, what: str) -> dict[str, Any]:
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ModelError(f"{path}: missing ({what})") from None
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ModelError(f"{path}: unreadable {what} ({exc})") from None
+    if not isinstance(value, dict):
+        raise ModelError(f"{path}: unreadable {what} (not a JSON object)")
+    return value
+
+
+def _transformer_config(directory: Path, index: Mapping[str, Any], attr: str) -> dict[str, Any]:
+    """``<directory>/<attr>/config.json`` over its diffusers class's constructor defaults: a published
+    config.json leaves out keys added to the class after it was written (SD3-medium has no ``qk_norm``)."""
+    import diffusers
+
+    entry = index.get(attr)
+    if not (isinstance(entry, list) and len(entry) == 2 and entry[0] == "diffusers"):
+        raise ModelError(f"{directory / 'model_index.json'}: {attr} is {entry!r}, not a diffusers class")
+    cls = getattr(diffusers, str(entry[1]), None)
+    if not isinstance(cls, type):
+        raise ModelError(f"{directory / 'model_index.json'}: {attr} class {entry[1]!r} is not in diffusers")
+    config = _read_json(directory / attr / "config.json", "transformer config")
+    params = inspect.signature(cls.__init__).parameters.values()
+    return {**{p.name: p.default for p in params if p.default is not inspect.Parameter.empty}, **config}
+
+
+def detect(directory: Path) -> ModelSpec:
+    """The spec, resolved to its variant, of the diffusers directory ``directory``, from its JSON alone
+    (model_index.json and the transformer's config.json; no weights are read)."""
+    index = _read_json(directory / "model_index.json", "model index")
+    class_name = index.get("_class_name")
+    for spec in _families():
+        if spec.pipeline_class.split(":")[-1] == class_name:
+            spec.refuse_layout(index, str(directory))
+            return spec.detect(_transformer_config(directory, index, spec.transformer_attr), str(directory))
+    raise ModelError(
+        f"{directory / 'model_index.json'}: pipeline class {class_name} has no sdkiln model spec "
+        f"({', '.join(_FAMILY_MODULES)})"
     )
 
 
@@ -79,25 +141,37 @@ def _import_class(path: str):
     return getattr(importlib.import_module(module), name)
 
 
-def load_model(model: str | None = None, dtype: torch.dtype | None = None):
+def _straight_to(device: torch.device | None) -> dict[str, Any]:
+    """``from_pretrained``'s arguments that load every component onto an accelerator as it is read
+    (diffusers' ``device_map`` with a device type: no copy of the model on the host); the CPU, or an
+    accelerator other than the first, loads on the host and moves after."""
+    if device is None or device.type == "cpu" or device.index not in (None, 0):
+        return {}
+    return {"device_map": device.type}
+
+
+def load_model(
+    model: str | None = None, dtype: torch.dtype | None = None, device: torch.device | None = None
+):
     """A zoo name (or None: the embedded model), a local diffusers directory or a
     ``modelscope://ORG/NAME`` id (``sdkiln.hub``) -> (pipeline, spec, id).
 
-    Every component is loaded in one dtype (diffusers' ``dtype``): ``dtype``, else the dtype the
-    transformer is stored in; a zoo model is built in float32 and cast when ``dtype`` says so. A real
-    FLUX or SD3 directory stores 16-bit weights, and loading some components in fp32 and the rest as
-    stored fails at the first forward."""
-    if model is None or model in _SPEC_MODULES:
+    A directory's spec is resolved to the variant it holds (``detect``) before any weights load. Every
+    component is loaded in one dtype (diffusers' ``dtype``): ``dtype``, else the dtype the transformer
+    is stored in; a zoo model is built in float32 and cast when ``dtype`` says so. A real FLUX or SD3
+    directory stores 16-bit weights, and loading some components in fp32 and the rest as stored fails
+    at the first forward. With ``device`` (an accelerator), a directory's components are loaded
+    straight onto it; the caller moves a zoo model."""
+    if model is None or model in _ZOO:
         spec = get_spec(model)
         pipe = spec.build()
         if dtype is not None and dtype != torch.float32:
             pipe.to(dtype)
         return pipe, spec, spec.name
     if hub.is_hub_id(model):  # modelscope://ORG/NAME: its snapshot, recorded under the id
-        pipe, spec, _ = load_model(str(hub.resolve(model)), dtype)
+        pipe, spec, _ = load_model(str(hub.resolve(model)), dtype, device)
         return pipe, spec, model
     path = Path(model)
-    index = path / "model_index.json"
     if (path / "manifest.json").is_file() and b'"sdkiln-package"' in (path / "manifest.json").read_bytes()[
         :4096
     ]:
@@ -105,32 +179,26 @@ def load_model(model: str | None = None, dtype: torch.dtype | None = None):
             f"{model}: is an sdkiln package, not a base model; optimize the model it was made from "
             "(`sdkiln inspect` names it)"
         )
-    if not index.is_file():
+    if not (path / "model_index.json").is_file():
         raise ModelError(
-            f"{model}: not a model name ({', '.join(_SPEC_MODULES)}) nor a diffusers directory with model_index.json"
+            f"{model}: not a model name ({', '.join(_ZOO)}) nor a diffusers directory with model_index.json"
         )
-    try:
-        class_name = json.loads(index.read_text(encoding="utf-8"))["_class_name"]
-    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as exc:
-        raise ModelError(f"{index}: unreadable model index ({exc})") from None
-    for name in _SPEC_MODULES:
-        spec = get_spec(name)
-        if spec.pipeline_class.split(":")[-1] == class_name:
-            dtype = dtype or stored_dtype(path, spec.transformer_attr) or torch.float32
-            with third_party(str(path), f"loading {class_name} with diffusers", ModelError):
-                pipe = _import_class(spec.pipeline_class).from_pretrained(
-                    str(path), use_safetensors=True, dtype=dtype
-                )
-            return pipe, spec, str(path.resolve())
-    raise ModelError(
-        f"{index}: pipeline class {class_name} has no sdkiln model spec ({', '.join(_SPEC_MODULES)})"
-    )
+    spec = detect(path)
+    dtype = dtype or stored_dtype(path, spec.transformer_attr) or torch.float32
+    class_name = spec.pipeline_class.split(":")[-1]
+    with third_party(str(path), f"loading {class_name} with diffusers", ModelError):
+        pipe = _import_class(spec.pipeline_class).from_pretrained(
+            str(path), use_safetensors=True, dtype=dtype, **_straight_to(device)
+        )
+    return pipe, spec, str(path.resolve())
 
 
 __all__ = [
     "AttentionSite",
     "BlockList",
     "ModelSpec",
+    "Variant",
+    "detect",
     "get_spec",
     "spec_names",
     "spec_for_pipeline",

@@ -11,9 +11,16 @@ Both block kinds are called with ``hidden_states`` and ``encoder_hidden_states``
 and splits them again at its end. The pipeline exposes its packed latents ``(B, tokens, 4 * C)``
 to ``callback_on_step_end`` as ``"latents"``.
 
-The tiny build has ``guidance_embeds=False`` (FLUX.1-schnell/-dev style embeddings without the
-distilled guidance input), so guidance is true classifier-free guidance: ``true_cfg_scale`` > 1
-together with a ``negative_prompt`` runs a second, unconditional transformer pass per step.
+Variants, by transformer width (24 heads of 128, T5 width 4096, CLIP pooled 768):
+
+* FLUX.1-dev is guidance-distilled (``guidance_embeds=True``): its guidance is ``guidance_scale``, an
+  input of the transformer, one pass per step and no negative prompt. Defaults are FluxPipeline's
+  own (28 steps, guidance 3.5, 512 text tokens, 1024x1024); the model card's example runs 50 steps.
+* FLUX.1-schnell is timestep-distilled (``guidance_embeds=False``): 4 steps, ``guidance_scale`` 0 (it
+  has no guidance input), at most 256 text tokens, 1024x1024, as the model card and diffusers' docs say.
+* The tiny build has ``guidance_embeds=False`` too, and its guidance is true classifier-free guidance:
+  ``true_cfg_scale`` > 1 together with a ``negative_prompt`` runs a second, unconditional transformer
+  pass per step, so that the test build exercises the two-pass path.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from sdkiln.model_zoo.spec import (
     SequenceSplit,
     SmoothFold,
     TokenGrid,
+    Variant,
 )
 
 if TYPE_CHECKING:
@@ -142,10 +150,71 @@ FLUX_PARALLEL = ParallelPlan(
     gathers=(SequenceGather("proj_out", 1, 3),),
 )
 
+_REAL_WIDTH = {
+    "in_channels": 64,
+    "num_attention_heads": 24,
+    "attention_head_dim": 128,
+    "joint_attention_dim": 4096,
+    "pooled_projection_dim": 768,
+}
+FLUX_VARIANTS = (
+    Variant(
+        "FLUX.1-dev",
+        "guidance-distilled FLUX.1 (black-forest-labs/FLUX.1-dev)",
+        match={**_REAL_WIDTH, "guidance_embeds": True},
+        call_defaults={
+            "num_inference_steps": 28,
+            "guidance_scale": 3.5,
+            "height": 1024,
+            "width": 1024,
+            "max_sequence_length": 512,
+            "output_type": "np",
+        },
+    ),
+    Variant(
+        "FLUX.1-schnell",
+        "timestep-distilled FLUX.1 (black-forest-labs/FLUX.1-schnell)",
+        match={**_REAL_WIDTH, "guidance_embeds": False},
+        call_defaults={
+            "num_inference_steps": 4,
+            "guidance_scale": 0.0,
+            "height": 1024,
+            "width": 1024,
+            "max_sequence_length": 256,
+            "output_type": "np",
+        },
+    ),
+    Variant(
+        "tiny",
+        "the test build (tiny() above): 4 heads of 32, text width 32, true CFG",
+        match={
+            "in_channels": 64,
+            "num_attention_heads": 4,
+            "attention_head_dim": 32,
+            "joint_attention_dim": _TEXT_DIM,
+            "pooled_projection_dim": _TEXT_DIM,
+            "guidance_embeds": False,
+        },
+        call_defaults={
+            "num_inference_steps": 4,
+            "true_cfg_scale": 2.0,
+            "negative_prompt": "",
+            "height": 32,
+            "width": 32,
+            "max_sequence_length": _T5_MAX_LENGTH,
+            "output_type": "np",
+        },
+        guidance_arg="true_cfg_scale",
+        sparse_block_size=16,
+    ),
+)
+
 SPEC = ModelSpec(
     name="flux-tiny",
+    family="flux",
     description="FLUX.1 architecture (double + single stream MMDiT) at test size with random weights",
     pipeline_class="diffusers:FluxPipeline",
+    cfg_calls=("true_cfg_scale", "negative_prompt"),
     transformer_attr="transformer",
     block_lists=(
         BlockList(
@@ -166,21 +235,11 @@ SPEC = ModelSpec(
     ),
     default_recipe="quant-auto+cache-auto",
     build=tiny,
-    guidance_arg="true_cfg_scale",
-    call_defaults={
-        "num_inference_steps": 4,
-        "true_cfg_scale": 2.0,
-        "negative_prompt": "",
-        "height": 32,
-        "width": 32,
-        "max_sequence_length": _T5_MAX_LENGTH,
-        "output_type": "np",
-    },
     eval_prompts=("a photo of a cat", "a red car on a mountain road", "a bowl of fruit, oil painting"),
     calibration_prompts=("a photo of a dog", "a city skyline at night", "a watercolor of a lighthouse"),
     smooth_folds=FLUX_SMOOTH_FOLDS,
     attention=FLUX_ATTENTION,
     parallel_plan=FLUX_PARALLEL,
     token_grid=FLUX_GRID,
-    sparse_block_size=16,
-)
+    variants=FLUX_VARIANTS,
+).resolve("tiny")

@@ -12,13 +12,19 @@ in the ``encoder_hidden_states`` slot, and its ``norm1_context`` is an ``AdaLaye
 (whose modulation Linear is also named ``linear``, so the same pattern keeps it float). Code
 that walks the blocks must accept that ``None``. The pipeline exposes its latents
 ``(B, C, H, W)`` to ``callback_on_step_end`` as ``"latents"``.
+
+Variants, by transformer width (heads of 64, T5 width 4096, CLIP pooled 2048) and QK norm, with the
+steps and classifier-free ``guidance_scale`` of their model cards, 1024x1024 and the pipeline's 256
+text tokens: SD3-medium (24 heads, no QK norm; 28 steps, 7.0), SD3.5-medium (24 heads, RMS QK norm;
+40 steps, 4.5), SD3.5-large (38 heads; 28 steps, 3.5). SD3.5-large-turbo has SD3.5-large's config
+byte for byte, so it is recognised as SD3.5-large: give it its 4 steps and guidance 0 explicitly.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from sdkiln.model_zoo.spec import AttentionSite, BlockList, ModelSpec
+from sdkiln.model_zoo.spec import AttentionSite, BlockList, ModelSpec, Variant
 
 if TYPE_CHECKING:
     from diffusers import StableDiffusion3Pipeline
@@ -95,8 +101,80 @@ def tiny() -> StableDiffusion3Pipeline:
     )
 
 
+_REAL_WIDTH = {
+    "in_channels": 16,
+    "attention_head_dim": 64,
+    "joint_attention_dim": 4096,
+    "pooled_projection_dim": 2048,
+}
+
+
+def _published(steps: int, guidance: float) -> dict:
+    return {
+        "num_inference_steps": steps,
+        "guidance_scale": guidance,
+        "height": 1024,
+        "width": 1024,
+        "max_sequence_length": 256,
+        "output_type": "np",
+    }
+
+
+SD3_VARIANTS = (
+    Variant(
+        "SD3-medium",
+        "stabilityai/stable-diffusion-3-medium-diffusers",
+        match={**_REAL_WIDTH, "num_attention_heads": 24, "caption_projection_dim": 1536, "qk_norm": None},
+        call_defaults=_published(28, 7.0),
+    ),
+    Variant(
+        "SD3.5-medium",
+        "stabilityai/stable-diffusion-3.5-medium (MMDiT-X)",
+        match={
+            **_REAL_WIDTH,
+            "num_attention_heads": 24,
+            "caption_projection_dim": 1536,
+            "qk_norm": "rms_norm",
+        },
+        call_defaults=_published(40, 4.5),
+    ),
+    Variant(
+        "SD3.5-large",
+        "stabilityai/stable-diffusion-3.5-large",
+        match={
+            **_REAL_WIDTH,
+            "num_attention_heads": 38,
+            "caption_projection_dim": 2432,
+            "qk_norm": "rms_norm",
+        },
+        call_defaults=_published(28, 3.5),
+    ),
+    Variant(
+        "tiny",
+        "the test build (tiny() above): 4 heads of 16, T5 width 64",
+        match={
+            "in_channels": 16,
+            "attention_head_dim": 16,
+            "num_attention_heads": 4,
+            "joint_attention_dim": _T5_DIM,
+            "caption_projection_dim": 64,
+            "pooled_projection_dim": 2 * _CLIP_DIM,
+            "qk_norm": None,
+        },
+        call_defaults={
+            "num_inference_steps": 4,
+            "guidance_scale": 4.0,
+            "height": 32,
+            "width": 32,
+            "max_sequence_length": _T5_MAX_LENGTH,
+            "output_type": "np",
+        },
+    ),
+)
+
 SPEC = ModelSpec(
     name="sd3-tiny",
+    family="sd3",
     description="Stable Diffusion 3 architecture (joint MMDiT blocks) at test size with random weights",
     pipeline_class="diffusers:StableDiffusion3Pipeline",
     transformer_attr="transformer",
@@ -113,17 +191,9 @@ SPEC = ModelSpec(
     ),
     default_recipe="quant-auto+cache-auto",
     build=tiny,
-    guidance_arg="guidance_scale",
-    call_defaults={
-        "num_inference_steps": 4,
-        "guidance_scale": 4.0,
-        "height": 32,
-        "width": 32,
-        "max_sequence_length": _T5_MAX_LENGTH,
-        "output_type": "np",
-    },
     eval_prompts=("a photo of a cat", "a red car on a mountain road", "a bowl of fruit, oil painting"),
     calibration_prompts=("a photo of a dog", "a city skyline at night", "a watercolor of a lighthouse"),
     # JointAttnProcessor2_0 calls F.scaled_dot_product_attention on [B, H, S, D], image tokens first
     attention=(AttentionSite("transformer_blocks.*.attn", "JointAttnProcessor2_0", "sdpa", "last", "last"),),
-)
+    variants=SD3_VARIANTS,
+).resolve("tiny")

@@ -5,14 +5,21 @@ name: it reads the spec. A spec names the transformer's block lists, how each bl
 hidden states, the layers that stay in float, where its attention runs and which tokens are text,
 the default recipe, how the family's pipeline is called, and builds a tiny random-weight pipeline
 of the real diffusers classes for tests and smoke runs.
+
+A family is not its test build: its ``variants`` are the published models (FLUX.1-dev, FLUX.1-schnell)
+and the zoo's own build ("tiny"), told apart by their transformer's width, each with its own call
+defaults. A spec object is always resolved to one variant (``ModelSpec.resolve``); the zoo's ``SPEC``
+is the family resolved to the build it makes.
 """
 
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
 from typing import Any
+
+from sdkiln.errors import ModelError
 
 
 @dataclass(frozen=True)
@@ -138,9 +145,44 @@ class ParallelPlan:
     image: str = "hidden_states"
 
 
+def _plain(value: Any) -> Any:
+    """``value`` as JSON reads it back: a config saved with tuples compares equal to its config.json."""
+    if isinstance(value, (tuple, list)):
+        return [_plain(v) for v in value]
+    return value
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One model of a family: a published one (FLUX.1-dev, Wan2.1-T2V-14B) or the zoo's own build.
+
+    ``match`` maps transformer config keys to the values this variant has. It names width only --
+    heads, head size, text and pooled widths, channels, the guidance embedding, QK norm -- never depth
+    (``num_layers``), so that a real-width model cut to two blocks for a test is still recognised.
+    ``call_defaults`` are the published defaults of a pipeline call (steps, guidance, resolution, text
+    tokens), ``guidance_arg`` the call argument that sets its guidance (FLUX.1-dev's distilled
+    ``guidance_scale``; the tiny FLUX build's ``true_cfg_scale``) and ``sparse_block_size`` the tokens
+    per block of block-sparse attention at its usual resolution. Each is given whole rather than as a
+    change to the family's, so that resolving an already resolved spec leaves nothing stale.
+    """
+
+    name: str
+    description: str
+    match: dict[str, Any]
+    call_defaults: dict[str, Any]
+    guidance_arg: str = "guidance_scale"
+    sparse_block_size: int = 64
+
+    def matches(self, config: Mapping[str, Any]) -> bool:
+        return all(_plain(config.get(key)) == _plain(value) for key, value in self.match.items())
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     name: str
+    """The zoo name of the family's test build (``flux-tiny``), whatever variant the spec is resolved to."""
+    family: str
+    """The family (``flux``, ``sd3``, ``wan``, ``fmnist-flux``): what a package's manifest records."""
     description: str
     pipeline_class: str
     """Import path ``module:Class`` of the pipeline; the runtime resolves it from an allow-list."""
@@ -154,9 +196,15 @@ class ModelSpec:
     build: Callable[[], Any]
     """Returns the family's default pipeline (tiny random weights, or the shipped embedded model)."""
     guidance_arg: str = "guidance_scale"
-    """The pipeline call argument that sets classifier-free guidance."""
+    """The pipeline call argument that sets guidance (the resolved variant's)."""
+    cfg_calls: tuple[str, ...] = ()
+    """When the pipeline runs the unconditional branch as a second transformer call per step: the
+    first argument above 1 and every other one set (FLUX: ``("true_cfg_scale", "negative_prompt")``,
+    Wan: ``("guidance_scale",)``); empty: one call per step (SD3 batches both branches). Counts the
+    forwards ``optimize`` plans."""
     call_defaults: dict[str, Any] = field(default_factory=dict)
-    """Keyword arguments for a pipeline call: steps, guidance, resolution, anything family-specific."""
+    """Keyword arguments for a pipeline call: steps, guidance, resolution, anything family-specific
+    (the resolved variant's)."""
     size_multiple: int = 16
     """Height and width must be multiples of this (the VAE's downscale times the patch size)."""
     frame_step: int | None = None
@@ -180,8 +228,57 @@ class ModelSpec:
     token_grid: TokenGrid | None = None
     """Where the image tokens sit, for block-sparse attention; None: the family has no sparse attention."""
     sparse_block_size: int = 64
-    """Tokens per block of block-sparse attention at the family's usual resolution (64 or 128 for
+    """Tokens per block of block-sparse attention at the variant's usual resolution (64 or 128 for
     thousands of tokens; fewer for a small test model, so that it has blocks to choose from)."""
+    variants: tuple[Variant, ...] = ()
+    """The models of the family sdkiln recognises, told apart by transformer width (``detect``)."""
+    variant: str = ""
+    """The variant this spec is resolved to: its call defaults, guidance argument and block size are the spec's."""
+    unsupported_layout: dict[str, str] = field(default_factory=dict)
+    """model_index.json entries that, set, mean a layout sdkiln does not run yet, each with the reason
+    (Wan2.2's second expert ``transformer_2``)."""
+
+    def resolve(self, variant: str) -> ModelSpec:
+        """This family's spec for its variant ``variant``."""
+        for v in self.variants:
+            if v.name == variant:
+                return replace(
+                    self,
+                    variant=v.name,
+                    call_defaults=dict(v.call_defaults),
+                    guidance_arg=v.guidance_arg,
+                    sparse_block_size=v.sparse_block_size,
+                )
+        raise ModelError(
+            f"model family {self.family!r} has no variant {variant!r} ({', '.join(self.variant_names())})"
+        )
+
+    def variant_names(self) -> list[str]:
+        return [v.name for v in self.variants]
+
+    def refuse_layout(self, index: Mapping[str, Any], where: str) -> None:
+        """ModelError when the pipeline config ``index`` (model_index.json) sets an ``unsupported_layout`` entry."""
+        for key, reason in self.unsupported_layout.items():
+            if _plain(index.get(key)) not in (None, [None, None]):
+                raise ModelError(f"{where}: {reason}")
+
+    def detect(self, config: Mapping[str, Any], where: str) -> ModelSpec:
+        """This family's spec for the model whose transformer config is ``config`` (every key: the
+        class's defaults for those its config.json leaves out): the one variant whose ``match`` holds.
+        ModelError, naming the width found, when no variant has it."""
+        found = [v.name for v in self.variants if v.matches(config)]
+        if len(found) == 1:
+            return self.resolve(found[0])
+        keys = dict.fromkeys(key for v in self.variants for key in v.match)
+        values = ", ".join(f"{key}={_plain(config.get(key))!r}" for key in keys)
+        what = (
+            f"matches several {self.family} variants ({', '.join(found)})"
+            if found
+            else f"is no known {self.family} variant ({', '.join(self.variant_names())})"
+        )
+        raise ModelError(
+            f"{where}: {self.pipeline_class.split(':')[-1]} with transformer config {values} {what}"
+        )
 
     def attention_site(self, name: str) -> AttentionSite | None:
         """The first attention site whose pattern matches module ``name``; None: not an attention site."""

@@ -9,6 +9,13 @@ added to the shared time projection computed outside the blocks, so ``float_laye
 A ``WanTransformerBlock`` is called with ``hidden_states`` (and the text ``encoder_hidden_states``,
 which it only reads, as cross-attention keys and values) and returns ``hidden_states``. The
 pipeline exposes its latents ``(B, C, F, H, W)`` to ``callback_on_step_end`` as ``"latents"``.
+
+Variants, by transformer width (heads of 128, UMT5 width 4096, 16 latent channels), with WanPipeline's
+defaults (81 frames, 50 steps, guidance 5.0, 512 text tokens) at the resolution each model card runs:
+Wan2.1-T2V-1.3B (12 heads, FFN 8960) at 480x832, Wan2.1-T2V-14B (40 heads, FFN 13824) at 720x1280.
+The flow shift belongs to the scheduler (model_index.json), not to the call. Wan2.2-T2V-A14B has
+Wan2.1-14B's width but two experts, ``transformer`` for high noise and ``transformer_2`` below
+``boundary_ratio``: a directory that sets either is refused before anything loads.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from sdkiln.model_zoo.spec import (
     SequenceGather,
     SequenceSplit,
     TokenGrid,
+    Variant,
 )
 
 if TYPE_CHECKING:
@@ -85,10 +93,69 @@ def tiny() -> WanPipeline:
     )
 
 
+_REAL_WIDTH = {"in_channels": 16, "attention_head_dim": 128, "text_dim": 4096}
+
+
+def _published(height: int, width: int) -> dict:
+    return {
+        "num_inference_steps": 50,
+        "guidance_scale": 5.0,
+        "height": height,
+        "width": width,
+        "num_frames": 81,
+        "max_sequence_length": 512,
+        "output_type": "np",
+    }
+
+
+WAN_VARIANTS = (
+    Variant(
+        "Wan2.1-T2V-1.3B",
+        "Wan-AI/Wan2.1-T2V-1.3B-Diffusers, 480p",
+        match={**_REAL_WIDTH, "num_attention_heads": 12, "ffn_dim": 8960},
+        call_defaults=_published(480, 832),
+        sparse_block_size=128,
+    ),
+    Variant(
+        "Wan2.1-T2V-14B",
+        "Wan-AI/Wan2.1-T2V-14B-Diffusers, 720p",
+        match={**_REAL_WIDTH, "num_attention_heads": 40, "ffn_dim": 13824},
+        call_defaults=_published(720, 1280),
+        sparse_block_size=128,
+    ),
+    Variant(
+        "tiny",
+        "the test build (tiny() above): 2 heads of 32, FFN 128, text width 32",
+        match={
+            "in_channels": 16,
+            "attention_head_dim": 32,
+            "text_dim": _TEXT_DIM,
+            "num_attention_heads": 2,
+            "ffn_dim": 128,
+        },
+        call_defaults={
+            "num_inference_steps": 4,
+            "guidance_scale": 5.0,
+            "height": 64,
+            "width": 64,
+            "num_frames": 5,
+            "max_sequence_length": _T5_MAX_LENGTH,
+            "output_type": "np",
+        },
+        sparse_block_size=16,
+    ),
+)
+_TWO_EXPERTS = (
+    "Wan2.2's two-expert layout is not supported yet; sdkiln optimizes one transformer, not a second one "
+    "(transformer_2) taking over below boundary_ratio (supported: Wan2.1-T2V-1.3B, Wan2.1-T2V-14B)"
+)
+
 SPEC = ModelSpec(
     name="wan-tiny",
+    family="wan",
     description="Wan2.1 text-to-video architecture at test size with random weights",
     pipeline_class="diffusers:WanPipeline",
+    cfg_calls=("guidance_scale",),
     transformer_attr="transformer",
     block_lists=(BlockList("blocks", inputs=("hidden_states",), outputs=("hidden_states",)),),
     float_layers=(),
@@ -96,16 +163,6 @@ SPEC = ModelSpec(
     default_recipe="quant-auto+cache-auto+sparse-attn",
     build=tiny,
     frame_step=4,  # Wan's VAE compresses time by 4: 4k + 1 frames
-    guidance_arg="guidance_scale",
-    call_defaults={
-        "num_inference_steps": 4,
-        "guidance_scale": 5.0,
-        "height": 64,
-        "width": 64,
-        "num_frames": 5,
-        "max_sequence_length": _T5_MAX_LENGTH,
-        "output_type": "np",
-    },
     eval_prompts=("a cat walking on grass", "waves breaking on a beach", "a car driving through rain"),
     calibration_prompts=("a dog running in a park", "clouds moving over mountains", "a candle flickering"),
     # attn1: self-attention over the video tokens; attn2: cross-attention, the text tokens as keys
@@ -128,5 +185,6 @@ SPEC = ModelSpec(
     ),
     # the latents [B, C, F, H, W], patchified (1, 2, 2) into tokens in (frame, row, column) order
     token_grid=TokenGrid("hidden_states", "latents", (1, 2, 2)),
-    sparse_block_size=16,
-)
+    variants=WAN_VARIANTS,
+    unsupported_layout={key: _TWO_EXPERTS for key in ("transformer_2", "boundary_ratio")},
+).resolve("tiny")

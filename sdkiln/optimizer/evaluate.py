@@ -2,11 +2,17 @@
 
 Sample i uses prompt ``prompts[i % len(prompts)]`` and seed ``seed + i``. The final latents are
 captured through the pipeline's ``callback_on_step_end`` at the last step, so one call yields both
-the decoded images and the latents.
+the decoded images and the latents. Samples go in batches sized to the deployment
+(``default_eval_batch``), decoded one at a time and, when large, in tiles (``bounded_decode``).
+``reference`` (the original) and ``measure`` (the optimized model) run apart, so ``optimize`` makes
+the reference before it optimizes the model in place and ``sdkiln eval`` frees the base model before
+it loads the package.
 """
 
 from __future__ import annotations
 
+import contextlib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -65,24 +71,88 @@ def generate(
     return np.concatenate(images), torch.cat(latents)
 
 
-def compare(
+DEFAULT_EVAL_PIXELS = 4 * 1024 * 1024
+"""The pixels (height x width x frames) one quality-report batch generates by default: 4 images at
+1024x1024, 16 at 512x512 and below, one 81-frame video at 480x832 (the batch never goes below 1)."""
+MAX_EVAL_BATCH = 16
+
+
+def default_eval_batch(call: dict[str, Any]) -> int:
+    """Samples per quality-report batch for the deployment ``call``: what fits ``DEFAULT_EVAL_PIXELS``."""
+    pixels = int(call.get("height") or 64) * int(call.get("width") or 64) * int(call.get("num_frames") or 1)
+    return max(1, min(MAX_EVAL_BATCH, DEFAULT_EVAL_PIXELS // pixels))
+
+
+@contextlib.contextmanager
+def bounded_decode(pipe, call: dict[str, Any]):
+    """Decode one sample at a time (the VAE's slicing) and, for an image or video above
+    ``TILED_DECODE_PIXELS``, in tiles (its tiling), as diffusers offers them; left as found after.
+    Both the original and the optimized pipeline decode the same way, so the comparison is fair."""
+    vae = getattr(pipe, "vae", None)
+    pixels = int(call.get("height") or 0) * int(call.get("width") or 0) * int(call.get("num_frames") or 1)
+    switched = []
+    if vae is not None:
+        wanted = [("slicing", True), ("tiling", pixels > TILED_DECODE_PIXELS)]
+        for name, on in wanted:
+            if on and hasattr(vae, f"enable_{name}") and not getattr(vae, f"use_{name}", False):
+                getattr(vae, f"enable_{name}")()
+                switched.append(name)
+    try:
+        yield
+    finally:
+        for name in switched:
+            getattr(vae, f"disable_{name}")()
+
+
+TILED_DECODE_PIXELS = 1024 * 1024 * 2
+"""Above this many pixels (height x width x frames) the report decodes in tiles."""
+
+
+@dataclass
+class Reference:
+    """The original model's samples for a quality report, made before the model is optimized (in
+    place) or before the package is loaded (``sdkiln eval``): never both models resident."""
+
+    prompts: list[str]
+    seeds: list[int]
+    images: np.ndarray
+    latents: torch.Tensor
+    call: dict[str, Any]
+    seed: int
+    metrics: dict[str, float] | None = None
+
+
+def reference(
     base,
-    optimized,
     spec: ModelSpec,
     num_samples: int,
     call: dict[str, Any] | None = None,
     seed: int = 1000,
-    batch_size: int = 16,
-) -> tuple[dict[str, Any], np.ndarray, np.ndarray]:
-    """Quality of ``optimized`` against ``base`` at the pipeline ``call`` (default: the family's
-    defaults): the report dict and both image arrays."""
+    batch_size: int | None = None,
+) -> Reference:
+    """The original's images and final latents on the report's samples at ``call`` (default: the
+    family's defaults), ``batch_size`` samples at a time (default: ``default_eval_batch``)."""
     call = spec.call_kwargs() if call is None else call
+    batch_size = batch_size or default_eval_batch(call)
     prompts, seeds = sample_plan(spec, num_samples, seed)
-    base_imgs, base_lat = generate(base, call, prompts, seeds, batch_size, "original")
+    with bounded_decode(base, call):
+        images, latents = generate(base, call, prompts, seeds, batch_size, "original")
+    theirs = spec.metrics(images, prompts) if spec.metrics is not None else None
+    return Reference(prompts, seeds, images, latents, call, seed, theirs)
+
+
+def measure(
+    optimized, spec: ModelSpec, ref: Reference, batch_size: int | None = None
+) -> tuple[dict[str, Any], np.ndarray]:
+    """The report of ``optimized`` against the reference samples, and its images."""
+    call = ref.call
+    batch_size = batch_size or default_eval_batch(call)
     runner = cache_runner(getattr(optimized, spec.transformer_attr))
     if runner is not None:
         runner.reset_counters()
-    opt_imgs, opt_lat = generate(optimized, call, prompts, seeds, batch_size, "optimized")
+    with bounded_decode(optimized, call):
+        opt_imgs, opt_lat = generate(optimized, call, ref.prompts, ref.seeds, batch_size, "optimized")
+    base_imgs, prompts = ref.images, ref.prompts
     psnr = np.minimum(metrics.psnr(base_imgs, opt_imgs), PSNR_CAP_DB)
     report: dict[str, Any] = {
         "psnr": float(psnr.mean()),
@@ -90,11 +160,11 @@ def compare(
         "psnr_min": float(psnr.min()),
         "ssim": float(metrics.ssim(base_imgs, opt_imgs).mean()),
         "cosine": float(metrics.cosine(base_imgs, opt_imgs).mean()),
-        "latent_rel_l2": float(metrics.rel_l2(base_lat, opt_lat).mean()),
-        "num_samples": num_samples,
+        "latent_rel_l2": float(metrics.rel_l2(ref.latents, opt_lat).mean()),
+        "num_samples": len(prompts),
         "steps": call.get("num_inference_steps"),
         "guidance": call.get(spec.guidance_arg),
-        "seed": seed,
+        "seed": ref.seed,
         "prompts": sorted(set(prompts)),
         "psnr_per_sample": [round(float(p), 3) for p in psnr],
     }
@@ -103,10 +173,25 @@ def compare(
             runner.transformer_calls * runner.num_blocks
         )
     if spec.metrics is not None:
-        ours, theirs = spec.metrics(opt_imgs, prompts), spec.metrics(base_imgs, prompts)
-        report.update(ours)
-        report.update({f"base_{k}": v for k, v in theirs.items()})
-    return report, base_imgs, opt_imgs
+        report.update(spec.metrics(opt_imgs, prompts))
+        report.update({f"base_{k}": v for k, v in (ref.metrics or {}).items()})
+    return report, opt_imgs
+
+
+def compare(
+    base,
+    optimized,
+    spec: ModelSpec,
+    num_samples: int,
+    call: dict[str, Any] | None = None,
+    seed: int = 1000,
+    batch_size: int | None = None,
+) -> tuple[dict[str, Any], np.ndarray, np.ndarray]:
+    """Quality of ``optimized`` against ``base`` at the pipeline ``call`` (default: the family's
+    defaults): the report dict and both image arrays (``reference`` then ``measure``)."""
+    ref = reference(base, spec, num_samples, call, seed, batch_size)
+    report, opt_imgs = measure(optimized, spec, ref, batch_size)
+    return report, ref.images, opt_imgs
 
 
 def _tile(images: np.ndarray, cols: int, scale: int) -> Image.Image:

@@ -5,13 +5,16 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm.auto import tqdm
 
 from sdkiln import kernels
 from sdkiln.configs import Deployment, RecipeConfig
@@ -21,7 +24,8 @@ from sdkiln.export.atomic import target_lock
 from sdkiln.export.package_writer import check_replaceable
 from sdkiln.model_zoo import ModelSpec, load_model, spec_for_pipeline
 from sdkiln.model_zoo.fingerprint import fingerprint
-from sdkiln.optimizer.evaluate import compare
+from sdkiln.optimizer.evaluate import default_eval_batch, measure, reference
+from sdkiln.optimizer.plan import OPTIMIZE_LOG, PhaseMeter, make_plan, peak_host_bytes
 from sdkiln.optimizer.recipes import resolve_recipe
 from sdkiln.optimizer.registry import TransformContext, apply_transform
 from sdkiln.runtime.restore import CORE_FIELDS
@@ -32,8 +36,11 @@ DEFAULT_EVAL_SAMPLES = 20
 @dataclass
 class OptimizeResult:
     pipeline: Any
-    """The optimized pipeline, in memory (shares every component but the transformer with the base)."""
+    """The optimized pipeline, in memory (a copied pipeline object shares every component but the
+    transformer with ``base``)."""
     base: Any
+    """The pipeline object given, as it was; None when the model was optimized in place (given by
+    name or directory, or ``in_place=True``)."""
     spec: ModelSpec
     manifest: dict[str, Any]
     quality: dict[str, Any] | None
@@ -96,6 +103,10 @@ def optimize(
     format: str = "package",
     ascend_dtype: str | None = None,
     dtype: torch.dtype | None = None,
+    device: str | torch.device | None = None,
+    eval_batch: int | None = None,
+    in_place: bool = False,
+    progress: bool = True,
 ) -> OptimizeResult:
     """Optimize ``model`` (a pipeline, a zoo name, a local diffusers directory, or None for the
     embedded model) with ``recipe`` and, if ``out_dir`` is given, write the package there.
@@ -104,17 +115,29 @@ def optimize(
     it, and one that contradicts the recipe is refused) is what every recipe step calibrates,
     searches and measures at, what the quality report measures, and what the manifest records.
     ``forward_loop(pipeline)`` runs calibration data through the model for steps that calibrate;
-    steps that need none ignore it. ``eval_samples=0`` skips the quality report. ``base_id`` names
-    the base model in the manifest (a zoo name or a directory ``sdkiln eval`` can rebuild it from);
-    for a pipeline object it defaults to the directory it was loaded from, else the family's name.
+    steps that need none ignore it. ``eval_samples=0`` skips the quality report, which otherwise
+    generates ``eval_batch`` samples at a time (default: what the deployment's size allows,
+    ``evaluate.default_eval_batch``). ``base_id`` names the base model in the manifest (a zoo name or
+    a directory ``sdkiln eval`` can rebuild it from); for a pipeline object it defaults to the
+    directory it was loaded from, else the family's name.
+
+    One model in memory: a model given by name or directory is loaded (every component in
+    ``dtype``, default the dtype its transformer is stored in) onto ``device`` ("auto": the
+    accelerator if there is one; default: the CPU), the quality report's original samples are
+    generated first, and the recipe steps then change the transformer in place; ``result.base`` is
+    None. A pipeline object stays as it was (its transformer is copied, and ``result.base`` is it)
+    unless ``in_place=True``; it is optimized on the device it is on (``device``, which moves it,
+    needs ``in_place=True``).
+    Calibration, scoring, the cache search and the report run on that device with its kernels loaded.
+
+    Before the first forward the plan is printed (``progress``): the transformer forwards of every
+    phase and the peak-memory estimate; each phase then shows a progress bar. The package keeps the
+    plan and what each phase measured (forwards, seconds, memory high-water mark) in
+    ``report/optimize.json``.
 
     ``out_dir`` is checked (``force`` replaces only a package or an empty directory) and locked
     against other sdkiln writers before anything is loaded, so a wrong ``--out`` fails at once, not
     after minutes of calibration, and stays reserved until the package is written.
-
-    ``dtype`` is the dtype a model given by name or directory is loaded and optimized in (every
-    component in it; default: the dtype its transformer is stored in). A pipeline object is
-    optimized in the dtypes it has.
 
     ``format="ascend"`` also writes MindIE SD's files to ``<out_dir>-ascend`` (``export_ascend``,
     ``ascend_dtype`` its ``dtype``) and makes the package for it: the recipe is checked before any
@@ -126,8 +149,17 @@ def optimize(
         raise ValueError("format='ascend' writes beside the package: give out_dir")
     if format != "ascend" and ascend_dtype is not None:
         raise ValueError("ascend_dtype is the dtype of the Ascend files: it needs format='ascend'")
-    if dtype is not None and not (isinstance(model, str | os.PathLike) or model is None):
+    by_name = isinstance(model, str | os.PathLike) or model is None
+    if dtype is not None and not by_name:
         raise ValueError("dtype sets the dtype a model is loaded in: give the model by name or directory")
+    if eval_batch is not None and eval_batch < 1:
+        raise ValueError(f"eval_batch must be >= 1, got {eval_batch}")
+    if device is not None and not (by_name or in_place):
+        raise ValueError(
+            "device moves the model, and a pipeline object optimize is given stays as it was: move it "
+            "first (pipe.to(device)) or pass in_place=True"
+        )
+    target = kernels.resolve_device(device) if device is not None else None
     with contextlib.ExitStack() as reserved:
         if out_dir is not None:
             reserved.enter_context(target_lock(Path(out_dir)))
@@ -138,11 +170,13 @@ def optimize(
             ascend.check_replaceable(ascend_dir, force)
         asked = recipe
         recipe = resolve_recipe(asked)  # an unknown name fails before the model loads
-        if isinstance(model, str | os.PathLike) or model is None:
-            base, spec, base_id = load_model(None if model is None else str(model), dtype)
+        if by_name:
+            base, spec, base_id = load_model(None if model is None else str(model), dtype, target)
         else:
             base, spec = model, spec_for_pipeline(model)
             base_id = base_id or getattr(model, "name_or_path", None) or spec.name
+        if target is not None:
+            base.to(target)
         recipe = resolve_recipe(asked, spec)  # "default" is the family's
         if deployment is not None:
             recipe = dataclasses.replace(
@@ -150,32 +184,68 @@ def optimize(
             )
         attr = spec.transformer_attr
         base_transformer = getattr(base, attr)
+        run_device = next(base_transformer.parameters()).device
         # Calibration, the cache search and the quality report run the quantized model many times:
         # on the device's kernels, as the runtime will (on a CPU, the int8 product it runs fast).
-        kernels.load_device_kernels(next(base_transformer.parameters()).device.type)
+        kernels.load_device_kernels(run_device.type)
         if format == "ascend":
             recipe = ascend.ascend_recipe(recipe, _dtype_name(base_transformer), ascend_dtype)
-        optimized = type(base)(**{**base.components, attr: copy.deepcopy(base_transformer)})
+        model_fields = {
+            "family": spec.family,
+            "variant": spec.variant,
+            "base_id": base_id,
+            **fingerprint(base_transformer),
+            "pipeline_class": _class_path(type(base)),
+            "transformer_attr": attr,
+            "transformer_class": type(base_transformer).__name__,
+            "dtype": _dtype_name(base_transformer),
+        }
+        if by_name or in_place:
+            optimized, kept_base = base, None
+        else:
+            optimized = type(base)(**{**base.components, attr: copy.deepcopy(base_transformer)})
+            kept_base = base
         ctx = TransformContext(pipeline=optimized, spec=spec, forward_loop=forward_loop, recipe=recipe)
         ctx.check_deployment()
-        steps, modules, files, sections = [], {}, {}, {}
-        for config in recipe.steps:
-            result = apply_transform(ctx, config)
-            modules.update(result.modules)
-            _merge_files(files, result.files, config.kind)
-            _merge_sections(sections, result.sections, config.kind)
-            steps.append({"config": config.to_dict(), "result": result.record})
+        call = ctx.call_kwargs()
+        batch = eval_batch or default_eval_batch(call)
+        plan = make_plan(ctx, list(recipe.steps), eval_samples, batch, run_device)
+        if progress:
+            tqdm.write("\n".join(plan.lines()), file=sys.stderr)
+        meter = PhaseMeter(getattr(optimized, attr), run_device, show=progress)
+        try:
+            ref = None
+            if eval_samples > 0:  # the original's samples, before the transformer changes
+                ref = meter.run(
+                    "report: original model",
+                    plan.phases[0].forwards,
+                    lambda: reference(optimized, spec, eval_samples, call, batch_size=batch),
+                )
+            steps, modules, files, sections = [], {}, {}, {}
+            for config in recipe.steps:
+                planned = [p for p in plan.phases if p.name.split(":")[0] == config.kind]
+                counts = [p.forwards for p in planned]
+                result = meter.run(
+                    config.kind,
+                    None if None in counts else sum(counts),
+                    functools.partial(apply_transform, ctx, config),
+                )
+                modules.update(result.modules)
+                _merge_files(files, result.files, config.kind)
+                _merge_sections(sections, result.sections, config.kind)
+                steps.append({"config": config.to_dict(), "result": result.record})
+            quality = None
+            if ref is not None:
+                quality, _ = meter.run(
+                    "report: optimized model",
+                    plan.phases[-1].forwards,
+                    lambda: measure(optimized, spec, ref, batch),
+                )
+        finally:
+            meter.close()
         manifest = {
-            "model": {
-                "family": spec.name,
-                "base_id": base_id,
-                **fingerprint(base_transformer),
-                "pipeline_class": _class_path(type(base)),
-                "transformer_attr": attr,
-                "transformer_class": type(base_transformer).__name__,
-                "dtype": _dtype_name(base_transformer),
-            },
-            "call": {"guidance_arg": spec.guidance_arg, "defaults": ctx.call_kwargs()},
+            "model": model_fields,
+            "call": {"guidance_arg": spec.guidance_arg, "defaults": call},
             "recipe": {
                 "name": recipe.name,
                 "version": recipe.version,
@@ -185,9 +255,18 @@ def optimize(
             "modules": modules,
             **sections,
         }
-        quality = None
-        if eval_samples > 0:
-            quality, _, _ = compare(base, optimized, spec, eval_samples, ctx.call_kwargs())
+        log = {
+            "plan": plan.to_dict(),
+            "phases": meter.records,
+            "peak_host_bytes": peak_host_bytes(),
+            "peak_device_bytes": max((r.get("peak_device_bytes", 0) for r in meter.records), default=None)
+            if run_device.type == "cuda"
+            else None,
+            "device": str(run_device),
+            "dtype": model_fields["dtype"],
+            "eval_batch": batch if eval_samples else None,
+        }
+        _merge_files(files, {OPTIMIZE_LOG: log}, "optimize")
         package = None
         if out_dir is not None:
             package = write_package(
@@ -199,7 +278,7 @@ def optimize(
                 force=force,
                 extra_files=files,
             )
-        result = OptimizeResult(optimized, base, spec, manifest, quality, package, files)
+        result = OptimizeResult(optimized, kept_base, spec, manifest, quality, package, files)
         if format == "ascend":
             result.ascend = ascend.export_ascend(package, ascend_dir, dtype=ascend_dtype, force=force)
         return result

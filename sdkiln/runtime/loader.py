@@ -122,7 +122,8 @@ def _parallel(
     from sdkiln.model_zoo import get_spec
     from sdkiln.runtime.parallel import enable_parallel
 
-    spec = get_spec(ctx.package.manifest["model"]["family"])
+    info = ctx.package.manifest["model"]
+    spec = get_spec(info["family"], info.get("variant"))
     return enable_parallel(ctx.pipeline, ctx.transformer, spec, parallel, target).mesh.device
 
 

@@ -33,7 +33,7 @@ CALL_BOUNDS: dict[str, tuple[type, float, float]] = {
     "num_images_per_prompt": (int, 1, 16),
 }
 GUIDANCE_BOUNDS = (0.0, 100.0)
-GUIDANCE_ARG = re.compile(r"[a-z_]*(guidance|cfg)[a-z_0-9]*")  # guidance_scale, FLUX's true_cfg_scale
+GUIDANCE_ARG = re.compile(r"[a-z_]*(guidance|cfg)[a-z_0-9]*")  # guidance_scale, flux-tiny's true_cfg_scale
 MAX_CALL_PIXELS = 1 << 28  # 4096 x 4096 x 16 images; Wan 720p's 81 frames are 75M
 # The manifest's model fields: the pattern each string must match, and its longest length.
 MODEL_FIELDS: dict[str, tuple[re.Pattern | None, int]] = {
@@ -46,6 +46,9 @@ MODEL_FIELDS: dict[str, tuple[re.Pattern | None, int]] = {
     "transformer_class": (IDENTIFIER, 128),
     "dtype": (None, 16),
 }
+# The model fields a package may leave out: "variant" (FLUX.1-dev) is absent from packages made before
+# variants, whose family is the zoo build's name ("flux-tiny").
+OPTIONAL_MODEL_FIELDS: dict[str, tuple[re.Pattern | None, int]] = {"variant": (None, 200)}
 OUTPUT_TYPES = ("np", "pil", "pt", "latent")
 
 
@@ -162,12 +165,15 @@ def check_manifest(m: Any) -> None:
     at = f"{where}: model"
     for key, (pattern, max_len) in MODEL_FIELDS.items():
         expect_str(model[key], f"{at}.{key}", pattern, max_len)
+    for key, (pattern, max_len) in OPTIONAL_MODEL_FIELDS.items():
+        if key in model:
+            expect_str(model[key], f"{at}.{key}", pattern, max_len)
     if model["dtype"] not in DTYPES:
         raise fail(f"{at}.dtype", f"must be one of {DTYPES}, got {short(model['dtype'])}")
     buffers = expect_list(model.get("nonpersistent_buffers", []), f"{at}.nonpersistent_buffers")
     for i, name in enumerate(buffers):
         expect_str(name, f"{at}.nonpersistent_buffers[{i}]", max_len=1000)
-    unknown = sorted(set(model) - set(MODEL_FIELDS) - {"nonpersistent_buffers"})
+    unknown = sorted(set(model) - set(MODEL_FIELDS) - set(OPTIONAL_MODEL_FIELDS) - {"nonpersistent_buffers"})
     if unknown:
         raise fail(f"{at}.{unknown[0]}", "is not a model field of schema version 1")
 

@@ -38,6 +38,7 @@ from sdkiln.errors import RecipeError
 from sdkiln.metrics import psnr
 from sdkiln.model_zoo.fingerprint import config_hash
 from sdkiln.optimizer.evaluate import generate
+from sdkiln.optimizer.plan import Phase, loop_steps, register_plan
 from sdkiln.optimizer.registry import TransformContext, TransformResult, register_transform
 from sdkiln.runtime.attention import AttentionCall
 from sdkiln.runtime.sparse import (
@@ -67,15 +68,15 @@ class ErrorProbe(SparseAttention):
             return dense
         step, layout = self.step(), self.layout(call)
         h = call.query.shape[2]
-        group_of = self.head_values(call, list(range(self.groups)), head_offset).long()
+        group_of = self.head_values(call, list(range(self.groups)), head_offset).long().to(dense.device)
 
         def per_group(x: torch.Tensor) -> torch.Tensor:  # [B, S, H, D] -> L1 per head group [G]
-            return torch.zeros(self.groups, dtype=torch.float64).index_add_(
+            return torch.zeros(self.groups, dtype=torch.float64, device=x.device).index_add_(
                 0, group_of, x.abs().sum((0, 1, 3)).double()
             )
 
         errors = torch.stack([
-            per_group(self.compute(call, layout, torch.full((h,), s))[0].float() - dense.float())
+            per_group(self.compute(call, layout, torch.full((h,), s, device=dense.device))[0].float() - dense.float())
             for s in self.sparsities
         ])  # fmt: skip
         layer_errors, layer_norms = (
@@ -253,3 +254,17 @@ def _dense_reference(ctx: TransformContext, call, prompts, seeds) -> tuple[np.nd
     if not frames:
         raise RecipeError(f"sparse_attention: the transformer was called without {grid.arg!r}")
     return images, frames[0]
+
+
+@register_plan(SparseAttentionConfig)
+def plan_sparse_attention(ctx: TransformContext, config: SparseAttentionConfig) -> list[Phase]:
+    """The dense reference, the calibration loop (calibrated plans), then one run per dense-steps
+    setting tried until one meets the floor (at most every setting)."""
+    t = ctx.num_inference_steps
+    max_dense = config.max_dense_steps if config.max_dense_steps is not None else math.ceil(t / 4)
+    tries = 1 if config.dense_steps is not None else min(max_dense, t - 1) + 1
+    phases = [Phase("dense reference", t)]
+    if config.calibrated:
+        phases.append(Phase("calibration", loop_steps(ctx, config.calib_samples)))
+    phases.append(Phase("dense steps search", tries * t, "at most"))
+    return phases

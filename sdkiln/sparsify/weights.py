@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from sdkiln.configs.sparse import Sparse24Config
+from sdkiln.optimizer.plan import Phase, register_plan
 from sdkiln.optimizer.registry import TransformContext, TransformResult, register_transform
 
 
@@ -58,3 +59,8 @@ def apply_sparse_2_4(ctx: TransformContext, config: Sparse24Config) -> Transform
             "mean_weight_rel_l2": round(sum(error.values()) / len(error), 5),
         },
     )
+
+
+@register_plan(Sparse24Config)
+def plan_sparse_2_4(ctx: TransformContext, config: Sparse24Config) -> list[Phase]:
+    return []  # pruning reads the weights only

@@ -43,7 +43,9 @@ MODULE = {"w8a8_static": W8A8StaticLinear, "w8a8_timestep": W8A8TimestepLinear}
 def results(tmp_path_factory):
     root = tmp_path_factory.mktemp("calibrated")
     return {
-        name: sdkiln.optimize("flux-tiny", RecipeConfig(name, steps), root / name, eval_samples=1)
+        name: sdkiln.optimize(
+            get_spec("flux-tiny").build(), RecipeConfig(name, steps), root / name, eval_samples=1
+        )
         for name, steps in RECIPES.items()
     }
 

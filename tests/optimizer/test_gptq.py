@@ -14,6 +14,7 @@ from sdkiln.configs import Deployment, RecipeConfig, W4A16Config, W8A8DynamicCon
 from sdkiln.errors import RecipeError
 from sdkiln.export.summary import summarize
 from sdkiln.kernels.int4 import unpack_int4
+from sdkiln.model_zoo import get_spec
 from sdkiln.optimizer.quant.gptq import expand_scale, gptq_round, output_error
 from sdkiln.optimizer.recipes import resolve_recipe
 from sdkiln.runtime.package import open_package
@@ -155,7 +156,7 @@ def gptq_results(tmp_path_factory):
             [config(weight_rounding="gptq", calib_samples=1, **extra)],
             Deployment(num_inference_steps=2),
         )
-        out[name] = sdkiln.optimize("flux-tiny", recipe, root / name, eval_samples=0)
+        out[name] = sdkiln.optimize(get_spec("flux-tiny").build(), recipe, root / name, eval_samples=0)
     return out
 
 

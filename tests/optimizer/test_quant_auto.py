@@ -2,6 +2,7 @@
 recorded SQNRs are those of the layer's real inputs, the sensitivity pass keeps no activations, and
 mixed packages round-trip bit-identically with their plan in the manifest and in ``sdkiln inspect``."""
 
+import functools
 import gc
 import json
 import os
@@ -161,7 +162,11 @@ def test_the_sensitivity_pass_keeps_no_activations(spec):
         return {
             n: LayerSensitivity(
                 pipe.transformer.get_submodule(n),
-                {"w8a8_dynamic": W8A8DynamicLinear.from_linear(pipe.transformer.get_submodule(n))},
+                functools.partial(
+                    lambda m: {"w8a8_dynamic": W8A8DynamicLinear.from_linear(m)},
+                    pipe.transformer.get_submodule(n),
+                ),
+                ["w8a8_dynamic"],
             )
             for n in names
         }

@@ -144,6 +144,7 @@ HOSTILE_EDITS = {
     ),
     "model.dtype manual_seed": ("manifest.json", lambda m: m["model"].update(dtype="manual_seed"), "dtype"),
     "model.dtype nn": ("manifest.json", lambda m: m["model"].update(dtype="nn"), "dtype"),
+    "model.variant a list": ("manifest.json", lambda m: m["model"].update(variant=["tiny"]), "model.variant"),
     "pipeline class builds a VAE": (
         "manifest.json",
         lambda m: m["model"].update(pipeline_class="diffusers:AutoencoderKL"),

@@ -50,6 +50,7 @@ from sdkiln.model_zoo.fingerprint import fingerprint
 from sdkiln.optimizer.cache.layout import block_layout, run_sigmas
 from sdkiln.optimizer.cache.plan import ErrorModel, Segment, fill_gaps
 from sdkiln.optimizer.evaluate import PSNR_CAP_DB, generate
+from sdkiln.optimizer.plan import Phase, register_plan
 from sdkiln.optimizer.registry import TransformContext, TransformResult, register_transform
 from sdkiln.runtime.cache import (
     BATCHED,
@@ -408,3 +409,19 @@ def apply_cache_auto(ctx: TransformContext, config: CacheAutoConfig) -> Transfor
         files={SCHEDULE_FILE: schedule.to_dict(), PROFILE_FILE: prof, HEATMAP_FILE: heatmap_png(prof)},
         sections={"cache_schedule": {"file": SCHEDULE_FILE}},
     )
+
+
+@register_plan(CacheAutoConfig)
+def plan_cache_auto(ctx: TransformContext, config: CacheAutoConfig) -> list[Phase]:
+    """The profile run, the segment runs (a run from step ``first`` calls the transformer for steps
+    0..stop, the steps before ``first`` replayed by a stub), the uncached reference, the confirmed
+    schedules (at most ``confirmation_bound``), the held-out reference, the guard's calibration and
+    the held-out confirmation: every run one batch of all its samples."""
+    search = Search(ctx, config, [], [])  # reads the block layout and the actions; runs nothing
+    t = search.num_steps
+    segments = sum(stop + 1 for _, _, _, stop in search.segment_jobs())
+    return [
+        Phase("profile and segments", t + segments),
+        Phase("confirm schedules", (1 + confirmation_bound(config)) * t, "at most"),
+        Phase("held-out check", (2 + config.guard) * t),
+    ]

@@ -9,7 +9,8 @@ is close enough to the float layer's, and stays in float if none is:
    w8a8_timestep): the static steps' calibration (``calibration.calibrate``) over ``calib_samples`` samples; its
    statistics go into ``calibration/stats.safetensors`` under ``quant_auto/``, as the static step's do.
 2. Sensitivity pass: every candidate layer's input, as the float model computes it, goes through
-   the float layer and through each candidate scheme's module (built from the layer and its ranges);
+   the float layer and through each candidate scheme's module (built from the layer and its ranges
+   for that call and dropped after it: at most one layer's candidates exist at a time);
    ``LayerSensitivity`` adds up the float output's power and each candidate's error power, two
    floats per candidate and no activations. SQNR = 10 log10(signal / error) in dB over all tokens,
    steps and samples. With the default loop this pass runs ``sensitivity_samples`` samples that
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -40,6 +42,7 @@ from sdkiln.calibrate.observers import InputObserver, observing
 from sdkiln.configs import RECIPE_STEPS, QuantAutoConfig
 from sdkiln.metrics import ratio_db
 from sdkiln.optimizer.layers import manifest_entry, replace, select_layers
+from sdkiln.optimizer.plan import Phase, loop_steps, register_plan
 from sdkiln.optimizer.quant.calibration import calibrate, calibration_files, require_every_step
 from sdkiln.optimizer.registry import TransformContext, TransformResult, register_transform
 from sdkiln.runtime.denoising import attach_step_tracker
@@ -63,13 +66,18 @@ def build_candidate(kind: str, linear: nn.Linear, ranges: InputObserver | None) 
 
 
 class LayerSensitivity:
-    """An input callback for one layer: streams the float output's power and, per candidate module,
-    the power of its error against the float output. Its state is two floats per candidate."""
+    """An input callback for one layer: streams the float output's power and, per candidate scheme,
+    the power of its error against the float output. Its state is two floats per candidate.
 
-    def __init__(self, linear: nn.Linear, candidates: dict[str, nn.Module]):
-        self.linear, self.candidates = linear, candidates
+    The candidate modules are built from the float layer on each call (``build``) and dropped after
+    it, so however many layers are scored in one pass, at most one layer's candidates exist at a time
+    (a 12B model's two int8 candidates of every layer would be 0.5x the model again). Building is
+    deterministic, so every call scores the same modules the plan later swaps in."""
+
+    def __init__(self, linear: nn.Linear, build: Callable[[], dict[str, nn.Module]], schemes: list[str]):
+        self.linear, self.build = linear, build
         self.signal = 0.0
-        self.noise = dict.fromkeys(candidates, 0.0)
+        self.noise = dict.fromkeys(schemes, 0.0)
         self.num_steps: int | None = None
 
     def __call__(self, x: torch.Tensor, step: int, num_steps: int) -> None:
@@ -77,9 +85,12 @@ class LayerSensitivity:
         # are taken in fp32 (exact enough for a power) and the powers summed in fp64.
         reference = F.linear(x, self.linear.weight, self.linear.bias).float()
         self.signal += float(torch.sum(reference.square(), dtype=torch.float64))
-        for name, module in self.candidates.items():
+        for name, module in self.build().items():
+            if getattr(module, "needs_step", False):  # runs beside the model: tell it the step
+                module.set_step(step, num_steps)
             error = module(x).float() - reference
             self.noise[name] += float(torch.sum(error.square(), dtype=torch.float64))
+            del module, error
         self.num_steps = num_steps
 
     def sqnr_db(self) -> dict[str, float]:
@@ -93,17 +104,8 @@ def sensitivity_pass(
     pipeline: Any, transformer_attr: str, layers: dict[str, LayerSensitivity], forward_loop: ForwardLoop
 ) -> None:
     """Run ``forward_loop(pipeline)`` once with each ``LayerSensitivity`` on its layer's input."""
-    with observing(pipeline, transformer_attr, layers) as tracker:
-        stepped = [
-            m for s in layers.values() for m in s.candidates.values() if getattr(m, "needs_step", False)
-        ]
-        tracker.modules += stepped  # the candidates run beside the model: tell them the step too
-        try:
-            forward_loop(pipeline)
-        finally:
-            tracker.modules = tracker.modules[: len(tracker.modules) - len(stepped)]
-            for module in stepped:
-                module.set_step(None, None)
+    with observing(pipeline, transformer_attr, layers):
+        forward_loop(pipeline)
     for name, sens in layers.items():
         if sens.num_steps is None:
             raise ValueError(
@@ -114,6 +116,10 @@ def sensitivity_pass(
 def choose(sqnr_db: dict[str, float | None], order: tuple[str, ...], floor_db: float) -> str:
     """The first scheme in ``order`` whose SQNR reaches ``floor_db`` (None: not applicable); else float."""
     return next((s for s in order if sqnr_db.get(s) is not None and sqnr_db[s] >= floor_db), FLOAT)
+
+
+def _candidates(linear: nn.Linear, schemes: tuple[str, ...], ranges) -> dict[str, nn.Module]:
+    return {scheme: build_candidate(scheme, linear, ranges) for scheme in schemes}
 
 
 def candidate_modules(
@@ -151,22 +157,30 @@ def apply_quant_auto(ctx: TransformContext, config: QuantAutoConfig) -> Transfor
     )
     sensitivities, not_applicable = {}, {}
     for name in layers:
-        modules, reasons = candidate_modules(model.get_submodule(name), order, ranges.get(name))
-        sensitivities[name] = LayerSensitivity(model.get_submodule(name), modules)
+        linear, layer_ranges = model.get_submodule(name), ranges.get(name)
+        modules, reasons = candidate_modules(linear, order, layer_ranges)  # which schemes apply
+        schemes = list(modules)
+        del modules  # rebuilt per call while scoring, then once for the choice
+        sensitivities[name] = LayerSensitivity(
+            linear, functools.partial(_candidates, linear, tuple(schemes), layer_ranges), schemes
+        )
         if reasons:
             not_applicable[name] = reasons
+    del linear
     sensitivity_pass(ctx.pipeline, ctx.spec.transformer_attr, sensitivities, loop)
     if sens_record["loop"] == "user":
         sens_record["steps"] = next(iter(sensitivities.values())).num_steps
 
     plan, modules = {}, {}
-    for name, sens in sensitivities.items():
-        measured = sens.sqnr_db()
+    for name in list(sensitivities):
+        # popped: the scorer holds the float layer, which must go when its module comes in
+        measured = sensitivities.pop(name).sqnr_db()
         sqnr = {s: measured.get(s) for s in order}
         choice = choose(sqnr, order, config.sqnr_floor_db)
         plan[name] = {"choice": choice, "sqnr_db": sqnr}
         if choice != FLOAT:
-            target, module = next(t for t in targets if t.layer == name), sens.candidates[choice]
+            target = next(t for t in targets if t.layer == name)
+            module = build_candidate(choice, model.get_submodule(name), ranges.get(name))
             replace(model, target, module)
             modules[name] = manifest_entry(target, module)
     if any(getattr(m, "needs_step", False) for m in model.modules()):
@@ -194,3 +208,14 @@ def apply_quant_auto(ctx: TransformContext, config: QuantAutoConfig) -> Transfor
         },
         files=files,
     )
+
+
+@register_plan(QuantAutoConfig)
+def plan_quant_auto(ctx: TransformContext, config: QuantAutoConfig) -> list[Phase]:
+    """The range pass (when a candidate needs ranges), then the sensitivity pass."""
+    order = (config.scheme, *config.fallbacks)
+    phases = []
+    if any(by_recipe_kind()[kind].needs_ranges for kind in order):
+        phases.append(Phase("ranges", loop_steps(ctx, config.calib_samples)))
+    phases.append(Phase("sensitivity", loop_steps(ctx, config.sensitivity_samples)))
+    return phases

@@ -39,6 +39,7 @@ from sdkiln.calibrate.observers import InputObserver, observing
 from sdkiln.configs import SmoothQuantConfig
 from sdkiln.model_zoo.spec import SmoothFold
 from sdkiln.optimizer.layers import select_layers
+from sdkiln.optimizer.plan import Phase, loop_steps, register_plan
 from sdkiln.optimizer.quant.calibration import STATS_FILE, calibrate, calibration_files
 from sdkiln.optimizer.registry import TransformContext, TransformResult, register_transform
 from sdkiln.runtime.quant import Ranges
@@ -262,3 +263,12 @@ def apply_smoothquant(ctx: TransformContext, config: SmoothQuantConfig) -> Trans
         },
         files=files,
     )
+
+
+@register_plan(SmoothQuantConfig)
+def plan_smoothquant(ctx: TransformContext, config: SmoothQuantConfig) -> list[Phase]:
+    """Calibration, then one more run of the loop scoring every alpha."""
+    return [
+        Phase("calibration", loop_steps(ctx, config.calib_samples)),
+        Phase("alpha search", loop_steps(ctx, config.calib_samples)),
+    ]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from sdkiln.configs import W8A8StaticConfig
 from sdkiln.optimizer.layers import manifest_entry, replace, select_layers
+from sdkiln.optimizer.plan import Phase, loop_steps, register_plan
 from sdkiln.optimizer.quant.calibration import calibrate, calibration_files
 from sdkiln.optimizer.registry import TransformContext, TransformResult, register_transform
 from sdkiln.runtime.quant.w8a8_static import W8A8StaticLinear
@@ -36,3 +37,8 @@ def apply_w8a8_static(ctx: TransformContext, config: W8A8StaticConfig) -> Transf
         },
         files=calibration_files(W8A8StaticConfig.kind, by_layer, record),
     )
+
+
+@register_plan(W8A8StaticConfig)
+def plan_w8a8_static(ctx: TransformContext, config: W8A8StaticConfig) -> list[Phase]:
+    return [Phase("calibration", loop_steps(ctx, config.calib_samples))]

@@ -22,6 +22,7 @@ from sdkiln.calibrate.loop import PromptLoop
 from sdkiln.configs import W8A8TimestepConfig
 from sdkiln.metrics import rel_l2
 from sdkiln.optimizer.layers import manifest_entry, replace, select_layers
+from sdkiln.optimizer.plan import Phase, loop_steps, register_plan
 from sdkiln.optimizer.quant.calibration import calibrate, calibration_files, require_every_step
 from sdkiln.optimizer.registry import TransformContext, TransformResult, register_transform
 from sdkiln.runtime.denoising import attach_step_tracker
@@ -90,3 +91,15 @@ def apply_w8a8_timestep(ctx: TransformContext, config: W8A8TimestepConfig) -> Tr
         },
         files=calibration_files(W8A8TimestepConfig.kind, by_layer, record),
     )
+
+
+@register_plan(W8A8TimestepConfig)
+def plan_w8a8_timestep(ctx: TransformContext, config: W8A8TimestepConfig) -> list[Phase]:
+    """Calibration, then the dynamic-steps search on held-out samples: a float reference run and
+    one run per distinct setting."""
+    t = ctx.num_inference_steps
+    settings = len({min(k, t) for k in config.dynamic_steps})
+    return [
+        Phase("calibration", loop_steps(ctx, config.calib_samples)),
+        Phase("dynamic steps search", config.calib_samples * t * (1 + settings)),
+    ]

@@ -74,7 +74,11 @@ def quant_bias(
     deq = deq_scale.float()
     lead = deq.shape[:-1]
     wsum = weight.to(torch.int64).sum(dim=1).double()
-    fbias = torch.zeros(weight.shape[0], dtype=torch.float64) if bias is None else bias.double()
+    fbias = (
+        torch.zeros(weight.shape[0], dtype=torch.float64, device=weight.device)
+        if bias is None
+        else bias.double()
+    )
     qb = torch.round(fbias / deq.double() - input_offset.double().reshape(*lead, 1) * wsum)
     room = _INT32_MAX - weight.shape[1] * 128 * 128
     if bool((qb.abs() > room).any()):
@@ -110,8 +114,9 @@ class W8A8StaticLinear(QuantLinear):
     def from_linear(cls, linear: nn.Linear, ranges) -> W8A8StaticLinear:
         """Quantize ``linear`` for inputs calibrated to the range [ranges.min, ranges.max]."""
         dyn = W8A8DynamicLinear.from_linear(linear)
+        device = linear.weight.device  # every tensor on the weight's device (a pipeline on CUDA)
         scale, offset = activation_params(
-            torch.tensor([float(ranges.min)]), torch.tensor([float(ranges.max)])
+            torch.tensor([float(ranges.min)], device=device), torch.tensor([float(ranges.max)], device=device)
         )
         bias = None if linear.bias is None else linear.bias.detach()
         deq, qb = static_params(dyn.weight, dyn.weight_scale, bias, scale, offset)

@@ -86,7 +86,8 @@ class W8A8TimestepLinear(QuantLinear):
         """Quantize ``linear`` for inputs calibrated to [step_min[t], step_max[t]] at step t
         (``ranges.step_min`` and ``ranges.step_max``, [T] each); the first ``dynamic_steps`` steps
         run dynamically."""
-        step_min, step_max = ranges.step_min, ranges.step_max
+        device = linear.weight.device  # the observers' statistics may live elsewhere
+        step_min, step_max = ranges.step_min.to(device), ranges.step_max.to(device)
         dyn = W8A8DynamicLinear.from_linear(linear)
         t = step_min.numel()
         scale, offset = activation_params(step_min.reshape(t, 1), step_max.reshape(t, 1))

@@ -35,7 +35,7 @@ def attach_plan(ctx: RestoreContext) -> None:
     plan = SparseAttentionPlan.from_dict(ctx.package.read_json(where), where)
     if plan.config_hash != config_hash(ctx.transformer.config):
         raise PackageError(f"{where}: the plan was calibrated for another transformer config")
-    spec = get_spec(ctx.manifest["model"]["family"])
+    spec = get_spec(ctx.manifest["model"]["family"], ctx.manifest["model"].get("variant"))
     try:
         ctx.notes["sparse_attention"] = attach_sparse_attention(ctx.pipeline, spec, plan)
     except ValueError as exc:
