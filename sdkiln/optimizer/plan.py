@@ -136,7 +136,7 @@ def working_bytes(
     )
     # one call at the largest batch a phase runs (the report's, times 2 for batched CFG), the widest
     # layer's input and output, about 8 such tensors alive
-    rows = 2 * (eval_batch if eval_samples else 1)
+    rows = 2 * (min(eval_batch, eval_samples) if eval_samples else 1)
     out = {"activations": rows * tokens * width * max(dtype_size, 4) * 8}
     shapes = _linear_shapes(transformer)
     if shapes:
