@@ -257,6 +257,7 @@ def cmd_inspect(args) -> int:
     from sdkiln.runtime.package import QUALITY_REPORT, open_package
 
     pkg = open_package(args.package, digest=args.digest)
+    pkg.verify()  # the weights too: inspect vouches for the whole package
     summary = summarize(pkg)
     quality = check_quality(pkg.read_json(QUALITY_REPORT), QUALITY_REPORT)
     if args.json:
@@ -315,7 +316,7 @@ def cmd_eval(args) -> int:
 
     # The base model runs first and is freed before the package loads: one model in memory.
     target = kernels.resolve_device(args.device)  # a device this machine lacks fails before any load
-    manifest = open_package(args.package, digest=args.digest).manifest  # verified; its bytes dropped
+    manifest = open_package(args.package, digest=args.digest).manifest  # the weights are not read
     info = manifest["model"]
     base, _, _ = load_model(args.base or info["base_id"], DTYPES.get(info.get("dtype", "")), target)
     # the package's family and variant decide, not what the base is detected as (a package made

@@ -1,10 +1,13 @@
 """Test-wide settings: one torch thread (2-core CI), markers, --run-slow."""
 
 import os
+import tempfile
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
+# compiled code a test's load(compile=...) caches goes to a directory of this run, not ~/.cache
+os.environ.setdefault("SDKILN_CACHE_DIR", tempfile.mkdtemp(prefix="sdkiln-test-cache-"))
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -90,7 +91,9 @@ class CompileConfig:
     ``mode``. ``cuda_graphs`` captures CUDA graphs (one per input shape; a new shape captures
     again), as ``mode="reduce-overhead"`` does. ``regional`` compiles each repeated block (one graph
     per block kind, diffusers' ``_repeated_blocks``) instead of the whole transformer: a cold start
-    compiles a few blocks, not 57. ``fullgraph`` and ``dynamic`` are torch.compile's. The runtime's
+    compiles a few blocks, not 57. ``fullgraph`` and ``dynamic`` are torch.compile's. ``cache_dir``
+    is where compiled code is kept for the next process (``sdkiln.runtime.compile.cache``; default
+    ``~/.cache/sdkiln/compile``), one folder per package digest, device and torch version. The runtime's
     hooks decide outside the compiled region, so quantized layers and a cache schedule compile
     without graph breaks; a guarded cache schedule breaks once per reuse step (its check reads the
     device), so ``fullgraph=True`` refuses it."""
@@ -102,6 +105,7 @@ class CompileConfig:
     fusions: tuple[str, ...] = FUSIONS
     cuda_graphs: bool = False
     regional: bool = False
+    cache_dir: str | None = None
     version: ClassVar[int] = 2
     """2: the sdkiln backend by default, with fusions, cuda_graphs and regional."""
 
@@ -116,6 +120,10 @@ class CompileConfig:
             raise SdkilnError("CompileConfig.fullgraph is a bool and dynamic a bool or None")
         if not isinstance(self.cuda_graphs, bool) or not isinstance(self.regional, bool):
             raise SdkilnError("CompileConfig.cuda_graphs and regional are bools")
+        if isinstance(self.cache_dir, os.PathLike):
+            object.__setattr__(self, "cache_dir", os.fspath(self.cache_dir))
+        if self.cache_dir is not None and (not isinstance(self.cache_dir, str) or not self.cache_dir):
+            raise SdkilnError(f"CompileConfig.cache_dir is a directory path, got {self.cache_dir!r}")
         fusions = tuple(self.fusions) if isinstance(self.fusions, list | tuple) else None
         if fusions is None or any(f not in FUSIONS for f in fusions):
             raise SdkilnError(

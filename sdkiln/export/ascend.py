@@ -34,10 +34,10 @@ from sdkiln.configs import QuantStep, RecipeConfig, SmoothQuantConfig
 from sdkiln.errors import PackageError, RecipeError
 from sdkiln.export.ascend_schemes import FLOAT_TAG, NEEDS_DEPLOY_DTYPE, AscendLayer, ascend_layer_tensors
 from sdkiln.export.atomic import atomic_directory
+from sdkiln.runtime.components import component_tensors
 from sdkiln.runtime.manifest_schema import short
-from sdkiln.runtime.package import TRANSFORMER_WEIGHTS, open_package
+from sdkiln.runtime.package import open_package
 from sdkiln.runtime.quant import by_recipe_kind, scheme_classes
-from sdkiln.runtime.safetensors_data import load_tensors
 
 FILE_MODE = 0o640
 DIR_MODE = 0o750
@@ -256,8 +256,7 @@ def export_ascend(
     pkg = open_package(package)
     manifest = pkg.manifest
     attr = manifest["model"]["transformer_attr"]
-    weights_rel = f"{attr}/{TRANSFORMER_WEIGHTS}"
-    tensors = load_tensors(pkg.data(weights_rel), weights_rel)
+    tensors = component_tensors(pkg, attr)
     files = ascend_files(manifest, tensors, _deploy_dtype(manifest["model"].get("dtype"), dtype))
     description, weights = files.description, files.weights
     quant_type = description["model_quant_type"].lower()

@@ -173,7 +173,7 @@ def export_diffusers(
                 if rel.startswith((f"{attr}/", *SDKILN_ONLY)):
                     continue
                 (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
-                (tmp / rel).write_bytes(bytes(pkg.data(rel)))
+                pkg.copy(rel, tmp / rel)
             view.save_pretrained(str(tmp / attr), safe_serialization=True)
             error = None
             if check:

@@ -20,6 +20,7 @@ from safetensors.torch import save_file
 from sdkiln import __version__
 from sdkiln.errors import PackageError
 from sdkiln.export.atomic import atomic_directory
+from sdkiln.export.shards import MAX_SHARD_BYTES, Planned, write_shards
 from sdkiln.runtime.package import (
     ALLOWED_SUFFIXES,
     FORMAT_NAME,
@@ -32,29 +33,36 @@ from sdkiln.runtime.package import (
 )
 
 
-def _host(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` as safetensors writes it: on the CPU and contiguous, without a copy when it already
-    is (safetensors writes from the tensors' memory); a view that shares storage with another
-    tensor (safetensors refuses shared memory) is copied, that one tensor only."""
-    t = tensor.detach().cpu().contiguous()
-    if t.untyped_storage().nbytes() != t.numel() * t.element_size():
-        t = t.clone()
-    return t
+def _keeps_float32(model: torch.nn.Module, name: str) -> bool:
+    """diffusers keeps these modules in float32 whatever the model's dtype (``_keep_in_fp32_modules``)."""
+    keep = getattr(model, "_keep_in_fp32_modules", None) or ()
+    return any(part in name.split(".") for part in keep)
 
 
-def transformer_tensors(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], list[str]]:
-    """The state dict plus non-persistent buffers (the runtime builds on meta and needs them too),
-    sharing the model's memory on the CPU: no second copy of the model while the file is written."""
-    state = model.state_dict()
+def transformer_tensors(
+    model: torch.nn.Module, dtype: torch.dtype | None = None
+) -> tuple[list[Planned], list[str]]:
+    """The state dict plus non-persistent buffers (the runtime builds on meta and needs them too), as
+    tensors to write one at a time from the model's own memory (``export.shards``). With ``dtype``
+    (the deployment's 16-bit dtype), a float tensor of a diffusers or torch module is written in it;
+    sdkiln's quantized modules keep their tensors' dtypes."""
+    state = model.state_dict(keep_vars=True)
     extra = [n for n, _ in model.named_buffers() if n not in state]
-    tensors, seen = {}, set()
+    planned = []
     for name, value in [*state.items(), *((n, model.get_buffer(n)) for n in extra)]:
-        t = _host(value)
-        if t.numel() and t.data_ptr() in seen:  # a tied tensor under a second name: its own bytes
-            t = t.clone()
-        seen.add(t.data_ptr())
-        tensors[name] = t
-    return tensors, extra
+        owner = model.get_submodule(name.rpartition(".")[0])
+        out = value.dtype
+        if (
+            dtype is not None
+            and value.is_floating_point()
+            and value.dtype != dtype
+            and value.dtype.itemsize > 1
+            and not type(owner).__module__.startswith("sdkiln.")
+            and not _keeps_float32(model, name)
+        ):
+            out = dtype
+        planned.append(Planned(name, tuple(value.shape), out, lambda value=value: value))
+    return planned, extra
 
 
 def _write_json(path: Path, data: Any) -> None:
@@ -62,7 +70,9 @@ def _write_json(path: Path, data: Any) -> None:
     path.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n", encoding="utf-8")
 
 
-def _write_components(tmp: Path, pipeline, transformer_attr: str) -> list[str]:
+def _write_components(
+    tmp: Path, pipeline, transformer_attr: str, dtype: torch.dtype | None, max_shard_bytes: int
+) -> tuple[list[str], dict[str, tuple[str, int]]]:
     pipeline.save_config(tmp)  # model_index.json
     for name, component in pipeline.components.items():
         if component is None or name == transformer_attr:
@@ -74,9 +84,10 @@ def _write_components(tmp: Path, pipeline, transformer_attr: str) -> list[str]:
         component.save_pretrained(tmp / name)
     transformer = getattr(pipeline, transformer_attr)
     transformer.save_config(tmp / transformer_attr)
-    tensors, extra = transformer_tensors(transformer)
-    save_file(tensors, str(tmp / transformer_attr / TRANSFORMER_WEIGHTS), metadata={"format": "pt"})
-    return extra
+    planned, extra = transformer_tensors(transformer, dtype)
+    stem = TRANSFORMER_WEIGHTS.removesuffix(".safetensors")
+    written = write_shards(tmp / transformer_attr, stem, planned, max_shard_bytes)
+    return extra, {f"{transformer_attr}/{name}": value for name, value in written.items()}
 
 
 def _write_extra(tmp: Path, extra_files: dict[str, Any]) -> None:
@@ -129,17 +140,22 @@ def write_package(
     transformer_attr: str,
     force: bool = False,
     extra_files: dict[str, Any] | None = None,
+    max_shard_bytes: int = MAX_SHARD_BYTES,
 ) -> Path:
     """Write ``pipeline`` (already optimized) with ``manifest`` fields and the quality report.
 
     ``manifest`` carries model/recipe/modules; this function adds format, versions, time and files.
     ``extra_files`` maps package paths to tensors (``.safetensors``), JSON objects (``.json``) or
     PNG bytes (``.png``). ``force`` lets it replace what ``check_replaceable`` allows; another
-    sdkiln process writing ``out_dir`` at the same time makes it raise ``PackageError``.
+    sdkiln process writing ``out_dir`` at the same time makes it raise ``PackageError``. The
+    transformer is streamed to shards of at most ``max_shard_bytes`` (``export.shards``), its float
+    layers in the model's dtype (``manifest["model"]["dtype"]``).
     """
     target = Path(out_dir)
     with atomic_directory(target, check=lambda t: check_replaceable(t, force)) as tmp:
-        extra = _write_components(tmp, pipeline, transformer_attr)
+        dtype = getattr(torch, manifest.get("model", {}).get("dtype") or "", None)
+        dtype = dtype if isinstance(dtype, torch.dtype) and dtype.itemsize == 2 else None
+        extra, hashed = _write_components(tmp, pipeline, transformer_attr, dtype, max_shard_bytes)
         _write_json(tmp / QUALITY_REPORT, quality)
         _write_extra(tmp, extra_files or {})
         files = {}
@@ -150,7 +166,8 @@ def write_package(
                     f"{rel}: written by a component's save_pretrained, but packages hold only {ALLOWED_SUFFIXES}"
                 )
             os.chmod(path, 0o644)
-            files[rel] = {"sha256": sha256_file(path), "size": path.stat().st_size}
+            sha, size = hashed[rel] if rel in hashed else (sha256_file(path), path.stat().st_size)
+            files[rel] = {"sha256": sha, "size": size}
         full = {
             "format": FORMAT_NAME,
             "schema_version": SCHEMA_VERSION,

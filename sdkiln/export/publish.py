@@ -213,7 +213,7 @@ def stage(pkg: Package, repo: str, license: str, where: Path) -> list[str]:
     (where / MANIFEST).write_bytes(pkg.manifest_bytes)
     for rel in pkg.manifest["files"]:
         (where / rel).parent.mkdir(parents=True, exist_ok=True)
-        (where / rel).write_bytes(pkg.data(rel))
+        pkg.copy(rel, where / rel)
     files = [MANIFEST, *pkg.manifest["files"]]
     (where / CARD).write_text(model_card(pkg, repo, license), encoding="utf-8")
     (where / CONFIGURATION).write_text(json.dumps(configuration(pkg), indent=2) + "\n", encoding="utf-8")

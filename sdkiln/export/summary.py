@@ -11,9 +11,10 @@ from typing import Any
 
 from sdkiln.runtime.cache.restore import schedule_file
 from sdkiln.runtime.cache.schedule import CacheSchedule
-from sdkiln.runtime.package import TRANSFORMER_WEIGHTS, Package
+from sdkiln.runtime.components import stored_infos
+from sdkiln.runtime.package import Package
 from sdkiln.runtime.restore import sections_of
-from sdkiln.runtime.safetensors_data import DTYPES, read_header
+from sdkiln.runtime.safetensors_data import DTYPES
 
 # A quantized weight stored as uint8 holds two int4 values a byte (W4A16, ``sdkiln.kernels.int4``).
 _WEIGHT_VALUES_PER_ELEMENT = {"U8": 2}
@@ -35,8 +36,7 @@ def summarize(pkg: Package) -> dict[str, Any]:
         {n for step in m["recipe"]["steps"] for n in step["result"].get("float", [])} - set(modules)
     )
     qbytes = fbytes = 0
-    weights = f"{attr}/{TRANSFORMER_WEIGHTS}"
-    infos = read_header(pkg.data(weights), weights)[1]
+    infos = stored_infos(pkg, attr)
     for layer in modules:
         for key in sorted(k for k in infos if k.startswith(f"{layer}.") and not k.endswith(".bias")):
             info = infos[key]

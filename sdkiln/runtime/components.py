@@ -33,7 +33,7 @@ from torch.overrides import TorchFunctionMode
 from sdkiln.errors import PackageError, third_party
 from sdkiln.runtime.manifest_schema import expect_dict, expect_int, short
 from sdkiln.runtime.package import Package
-from sdkiln.runtime.safetensors_data import load_tensors, read_header
+from sdkiln.runtime.safetensors_data import TensorInfo, parse_header
 
 LIBRARIES = ("diffusers", "transformers")
 # Pipelines come from diffusers or from sdkiln's own model zoo, nowhere else.
@@ -179,29 +179,82 @@ def bounded_build(stored: tuple[int, int], where: str) -> Iterator[None]:
 
 
 def _files_of(pkg: Package, name: str, suffix: str) -> list[str]:
-    return sorted(rel for rel in pkg.blobs if rel.startswith(f"{name}/") and rel.endswith(suffix))
+    return [rel for rel in pkg.files if rel.startswith(f"{name}/") and rel.endswith(suffix)]
 
 
-def component_tensors(pkg: Package, name: str) -> dict[str, torch.Tensor]:
-    """Every tensor of a component's safetensors files (one file, or the shards of a large one)."""
+INDEX_SUFFIX = ".safetensors.index.json"
+
+
+def weight_files(pkg: Package, name: str) -> tuple[list[str], dict[str, str] | None]:
+    """A component's safetensors files, and which file holds each tensor when the component is
+    sharded with an index (diffusers' and transformers' ``*.safetensors.index.json``). The index
+    must name each file of the component once, by its plain name, and nothing else."""
+    files = _files_of(pkg, name, ".safetensors")
+    indexes = _files_of(pkg, name, INDEX_SUFFIX)
+    if not files:
+        raise PackageError(f"{name}/: no weights (.safetensors) for this component")
+    if not indexes:
+        return files, None
+    if len(indexes) > 1:
+        raise PackageError(f"{name}/: {len(indexes)} shard indexes ({', '.join(indexes)}); one at most")
+    rel = indexes[0]
+    index = expect_dict(pkg.read_json(rel), rel)
+    weight_map = index.get("weight_map")
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise PackageError(f"{rel}: weight_map must map tensor names to file names")
+    named = set(weight_map.values())
+    for shard in sorted(named):
+        if "/" in shard or "\\" in shard or shard in ("", ".", "..") or not shard.endswith(".safetensors"):
+            raise PackageError(f"{rel}: {shard!r} is not the plain name of a .safetensors file beside it")
+    missing = sorted(named - {f.removeprefix(f"{name}/") for f in files})
+    unnamed = sorted({f.removeprefix(f"{name}/") for f in files} - named)
+    if missing or unnamed:
+        what = (
+            f"names {missing[0]!r}, which is not in the package"
+            if missing
+            else f"does not name {unnamed[0]!r}"
+        )
+        raise PackageError(f"{rel}: {what}; the index and the shards do not match")
+    return files, {key: f"{name}/{shard}" for key, shard in weight_map.items()}
+
+
+def component_tensors(pkg: Package, name: str, device: torch.device | None = None) -> dict[str, torch.Tensor]:
+    """Every tensor of a component's safetensors files (one file, or the shards of a large one),
+    each file read once and verified before its tensors are used; on ``device``, each shard goes
+    there before the next is read, so the host holds at most one shard."""
+    files, index = weight_files(pkg, name)
     tensors: dict[str, torch.Tensor] = {}
-    for rel in _files_of(pkg, name, ".safetensors"):
-        for key, value in load_tensors(pkg.data(rel), rel).items():
+    for rel in files:
+        for key, value in pkg.tensors(rel, device).items():
             if key in tensors:
                 raise PackageError(f"{rel}: tensor {key!r} is stored twice in {name}/")
+            if index is not None and index.get(key) != rel:
+                raise PackageError(
+                    f"{rel}: tensor {key!r} is not where the shard index says ({index.get(key)})"
+                )
             tensors[key] = value
-    if not tensors:
-        raise PackageError(f"{name}/: no weights (.safetensors) for this component")
+    if index is not None and set(index) != set(tensors):
+        raise PackageError(
+            f"{name}/: the shard index names tensor {sorted(set(index) - set(tensors))[0]!r}, which no shard holds"
+        )
     return tensors
+
+
+def stored_infos(pkg: Package, name: str) -> dict[str, TensorInfo]:
+    """What a component's safetensors headers say they hold, by tensor name (read ahead of the
+    weights, checked when the weights are read)."""
+    infos: dict[str, TensorInfo] = {}
+    for rel in weight_files(pkg, name)[0]:
+        for key, info in parse_header(pkg.header(rel), pkg.manifest["files"][rel]["size"], rel)[1].items():
+            if key in infos:
+                raise PackageError(f"{rel}: tensor {key!r} is stored twice in {name}/")
+            infos[key] = info
+    return infos
 
 
 def stored_size(pkg: Package, name: str) -> tuple[int, int]:
     """The elements and the number of tensors a component's safetensors hold."""
-    infos = [
-        info
-        for rel in _files_of(pkg, name, ".safetensors")
-        for info in read_header(pkg.data(rel), rel)[1].values()
-    ]
+    infos = stored_infos(pkg, name).values()
     return sum(info.numel for info in infos), len(infos)
 
 
@@ -239,7 +292,7 @@ def fill_weights(
     return model.eval()
 
 
-def _model(pkg: Package, name: str, cls: type, library: str) -> nn.Module:
+def _model(pkg: Package, name: str, cls: type, library: str, device: torch.device | None) -> nn.Module:
     config_rel = f"{name}/config.json"
     config = expect_dict(pkg.read_json(config_rel), config_rel)
     check_config_types(cls if library == "diffusers" else cls.config_class, config, config_rel)
@@ -266,7 +319,7 @@ def _model(pkg: Package, name: str, cls: type, library: str) -> nn.Module:
             model = (
                 cls.from_config(config) if library == "diffusers" else cls(cls.config_class.from_dict(config))
             )
-    return fill_weights(model, component_tensors(pkg, name), f"{name}/", keep=tuple(computed))
+    return fill_weights(model, component_tensors(pkg, name, device), f"{name}/", keep=tuple(computed))
 
 
 def _scheduler(pkg: Package, name: str, cls: type) -> Any:
@@ -309,10 +362,17 @@ def _tokenizer(pkg: Package, name: str, cls: type) -> Any:
     return tokenizer
 
 
-def load_component(pkg: Package, name: str, library: str, class_name: str, declared: Any = None) -> Any:
-    """One component from its files. ``declared``, the pipeline's annotation for it, is checked
-    before anything is built: a model must be of the declared class (a transformer posing as a VAE
-    is refused before its constructor runs)."""
+def load_component(
+    pkg: Package,
+    name: str,
+    library: str,
+    class_name: str,
+    declared: Any = None,
+    device: torch.device | None = None,
+) -> Any:
+    """One component from its files, a model's weights on ``device`` when given. ``declared``, the
+    pipeline's annotation for it, is checked before anything is built: a model must be of the
+    declared class (a transformer posing as a VAE is refused before its constructor runs)."""
     from diffusers import ModelMixin, SchedulerMixin
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
@@ -324,7 +384,7 @@ def load_component(pkg: Package, name: str, library: str, class_name: str, decla
             f"model_index.json: {name} is a {class_name}, the pipeline takes a {declared.__name__}"
         )
     if issubclass(cls, ModelMixin | PreTrainedModel):
-        return _model(pkg, name, cls, library)
+        return _model(pkg, name, cls, library, device)
     if issubclass(cls, SchedulerMixin):
         return _scheduler(pkg, name, cls)
     if issubclass(cls, PreTrainedTokenizerBase):
@@ -332,9 +392,16 @@ def load_component(pkg: Package, name: str, library: str, class_name: str, decla
     raise PackageError(f"model_index.json: component {name!r} is a {class_name}, which sdkiln does not load")
 
 
-def assemble(pkg: Package, pipeline_cls: type, transformer_attr: str, transformer: nn.Module) -> Any:
-    """The pipeline from ``model_index.json``: each listed component loaded from the package, the
-    transformer given, checked against what the pipeline class takes."""
+def assemble(
+    pkg: Package,
+    pipeline_cls: type,
+    transformer_attr: str,
+    transformer: nn.Module,
+    device: torch.device | None = None,
+) -> Any:
+    """The pipeline from ``model_index.json``: each listed component loaded from the package (its
+    weights on ``device`` when given), the transformer given, checked against what the pipeline
+    class takes."""
     index = expect_dict(pkg.read_json("model_index.json"), "model_index.json")
     if index.get("_class_name") != pipeline_cls.__name__:
         raise PackageError(
@@ -371,7 +438,7 @@ def assemble(pkg: Package, pipeline_cls: type, transformer_attr: str, transforme
                 raise PackageError(f"model_index.json: {pipeline_cls.__name__} needs component {name!r}")
             components[name] = None
         else:
-            components[name] = load_component(pkg, name, *entry, declared=param.annotation)
+            components[name] = load_component(pkg, name, *entry, declared=param.annotation, device=device)
     missing = [
         n
         for n, p in params.items()

@@ -1,30 +1,36 @@
 """``sdkiln.load``: a verified package -> a ready diffusers pipeline, in one documented order.
 
-1. **verify**: every file against the manifest (``runtime.package``), and every manifest section
-   known to this sdkiln (``runtime.restore``);
+1. **verify**: the manifest, the directory and every small file against the manifest
+   (``runtime.package``), and every manifest section known to this sdkiln (``runtime.restore``);
 2. **build on meta**: the transformer from its config, on the meta device (no float copy of the
    weights is ever materialized: gpt-fast's convert-for-runtime pattern);
 3. **swap modules**: each section's ``build`` handler (the quantized layers the manifest names);
-4. **load weights**: the safetensors, with ``assign=True``;
-5. **assemble**: the other components with their own ``from_pretrained``, into the pipeline class
-   the manifest names (from diffusers or sdkiln's model zoo, nowhere else);
+4. **load weights**: each safetensors file (or shard) read once, hashed as it is read, each tensor
+   into storage of its own, handed over once the file's sha256 matched, then set with
+   ``assign=True``; bound for an accelerator (and no mesh), each shard goes to the device before
+   the next is read, so the host holds one shard at a time;
+5. **assemble**: the other components, built and filled the same way, into the pipeline class the
+   manifest names (from diffusers or sdkiln's model zoo, nowhere else);
 6. **restore sections**: each section's ``attach`` handler (step tracker, cache schedule, ...);
 7. **parallel**: the device mesh of ``parallel`` (``ParallelConfig``): the process group, the
    sequence split of the family's plan, the attention route, CFG parallel (``runtime.parallel``);
 8. **device**: the device's kernels (``kernels.load_device_kernels``), then the pipeline moves there
-   (on the CPU, tensors left at unaligned addresses of the package's bytes get aligned storage, and
-   16-bit components whose dtype this CPU computes slowly run in fp32: ``runtime.cpu_dtype``,
-   recorded as ``pipe.sdkiln_widened``; not under ``compile``);
+   (on the CPU, 16-bit components whose dtype this CPU computes slowly run in fp32:
+   ``runtime.cpu_dtype``, recorded as ``pipe.sdkiln_widened``; not under ``compile``);
 9. **compile**: the transformer, or its repeated blocks, compiled (``CompileConfig``; sdkiln's
    backend fuses diffusers' subgraphs into sdkiln ops, ``runtime.compile``) for the device it is
-   on; the runtime's hooks decide outside the compiled region (``runtime.cache.hooks``), so the
-   graphs see tensors only.
+   on, with the compiled code cached for the next process (``runtime.compile.cache``); the
+   runtime's hooks decide outside the compiled region (``runtime.cache.hooks``), so the graphs see
+   tensors only.
+
+Each phase's seconds, and the first transformer call's, are ``pipe.sdkiln_cold_start`` (``ColdStart``).
 """
 
 from __future__ import annotations
 
 import inspect
 import os
+import time
 from typing import Any
 
 import torch
@@ -45,7 +51,7 @@ from sdkiln.runtime.components import (
 )
 from sdkiln.runtime.cpu_dtype import widen_slow_dtypes
 from sdkiln.runtime.manifest_schema import expect_dict
-from sdkiln.runtime.package import TRANSFORMER_WEIGHTS, Package, open_package
+from sdkiln.runtime.package import Package, open_package
 from sdkiln.runtime.sparse import restore as sparse_restore
 
 
@@ -70,12 +76,13 @@ def build_transformer(pkg: Package) -> nn.Module:
         return cls.from_config(config)
 
 
-def load_weights(pkg: Package, model: nn.Module) -> nn.Module:
-    """The transformer's tensors from the verified bytes; the non-persistent buffers the writer
-    stored beside them are set as buffers (they are not in the state dict)."""
+def load_weights(pkg: Package, model: nn.Module, device: torch.device | None = None) -> nn.Module:
+    """The transformer's tensors, read from its files (one, or shards) once each, verified, and on
+    ``device`` when given (shard by shard); the non-persistent buffers the writer stored beside them
+    are set as buffers (they are not in the state dict)."""
     info = pkg.manifest["model"]
-    tensors = component_tensors(pkg, info["transformer_attr"])
-    where = f"{info['transformer_attr']}/{TRANSFORMER_WEIGHTS}"
+    tensors = component_tensors(pkg, info["transformer_attr"], device)
+    where = f"{info['transformer_attr']}/"
     extra = {}
     for name in info.get("nonpersistent_buffers", []):
         owner, _, leaf = name.rpartition(".")
@@ -96,7 +103,7 @@ def load_weights(pkg: Package, model: nn.Module) -> nn.Module:
     return fill_weights(model, tensors, where)
 
 
-def _assemble(pkg: Package, transformer: nn.Module):
+def _assemble(pkg: Package, transformer: nn.Module, device: torch.device | None):
     from diffusers import DiffusionPipeline
 
     info = pkg.manifest["model"]
@@ -106,7 +113,7 @@ def _assemble(pkg: Package, transformer: nn.Module):
     for key in [call["guidance_arg"], *call["defaults"]]:
         if key not in takes:
             raise PackageError(f"manifest.json: call: {pipeline_cls.__name__} takes no argument {key!r}")
-    pipe = assemble(pkg, pipeline_cls, info["transformer_attr"], transformer)
+    pipe = assemble(pkg, pipeline_cls, info["transformer_attr"], transformer, device)
     pipe.set_progress_bar_config(disable=True)
     pipe.sdkiln_manifest = pkg.manifest
     pipe.sdkiln_digest = pkg.digest
@@ -125,31 +132,6 @@ def _parallel(
     info = ctx.package.manifest["model"]
     spec = get_spec(info["family"], info.get("variant"))
     return enable_parallel(ctx.pipeline, ctx.transformer, spec, parallel, target).mesh.device
-
-
-CPU_ALIGNMENT = 64
-"""Bytes: the alignment of torch's CPU allocator."""
-
-
-def _align_on_cpu(pipeline: Any) -> None:
-    """Copy the tensors that view the package's bytes at an address off the CPU allocator's
-    alignment into storage of their own. CPU BLAS kernels may take another path for an unaligned
-    operand: on an AMD EPYC, a batch-1 Linear over a weight 24 bytes off a 64-byte boundary differed
-    from the same Linear over an aligned weight in the last bit, so a package computed what the model
-    it was made from computes only when its bytes happened to land aligned. On an accelerator the
-    move to the device copies every tensor anyway."""
-    for component in pipeline.components.values():
-        if not isinstance(component, nn.Module):
-            continue
-        for module in component.modules():
-            for store in (module._parameters, module._buffers):
-                for tensor in store.values():
-                    if (
-                        tensor is not None
-                        and tensor.device.type == "cpu"
-                        and tensor.data_ptr() % CPU_ALIGNMENT
-                    ):
-                        tensor.data = tensor.data.clone()
 
 
 def _check_parallel_compile(parallel: ParallelConfig | None, compile: CompileConfig | None) -> None:
@@ -172,11 +154,48 @@ def _check_parallel_compile(parallel: ParallelConfig | None, compile: CompileCon
         )
 
 
-def _compile(ctx: restore.RestoreContext, compile: CompileConfig | None) -> None:
+def _compile(ctx: restore.RestoreContext, compile: CompileConfig | None, device: torch.device) -> None:
     if compile is not None:
-        from sdkiln.runtime.compile import compile_transformer
+        from sdkiln.runtime.compile import compile_transformer, use_compile_cache
 
+        ctx.pipeline.sdkiln_compile_cache = use_compile_cache(compile, ctx.package.digest, device)
         setattr(ctx.pipeline, ctx.transformer_attr, compile_transformer(ctx.transformer, compile))
+
+
+class ColdStart:
+    """Seconds from the call to ``load`` to the end of the first transformer call, by phase:
+    ``verify`` (manifest, directory, small files), ``build`` (the models on meta, modules swapped),
+    ``read`` (the weights read, verified and placed), ``assemble`` (the other components, the
+    sections attached), ``device`` (kernels, the move, the mesh), ``compile`` (wrapping the
+    transformer: Dynamo and Inductor run in the first step), and ``first_step``, the first
+    transformer call (with compile, the compile itself), set when it returns. ``pipe.sdkiln_cold_start``."""
+
+    def __init__(self):
+        self.phases: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def mark(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.phases[phase] = self.phases.get(phase, 0.0) + now - self._last
+        self._last = now
+
+    def watch_first_step(self, transformer: nn.Module) -> None:
+        handles = []
+
+        def before(module, args, kwargs):
+            self._last = time.perf_counter()
+
+        def after(module, args, kwargs, output):
+            self.mark("first_step")
+            for handle in handles:
+                handle.remove()
+
+        handles.append(transformer.register_forward_pre_hook(before, with_kwargs=True, prepend=True))
+        handles.append(transformer.register_forward_hook(after, with_kwargs=True, always_call=True))
+
+    @property
+    def total(self) -> float:
+        return sum(self.phases.values())
 
 
 def load(
@@ -189,13 +208,19 @@ def load(
 ) -> Any:
     """Load a package into a diffusers ``DiffusionPipeline`` on ``device`` ("auto", "cpu", "cuda:0", ...).
 
-    Every file is verified against the manifest first (sizes, sha256, no links, no stray files),
-    and every manifest section must be one this sdkiln restores. ``parallel`` runs it on a device
-    mesh, ``compile`` compiles its transformer (``sdkiln.configs.runtime``). The manifest is kept on
-    the pipeline as ``pipe.sdkiln_manifest`` and its digest as ``pipe.sdkiln_digest``; with
-    ``digest="sha256:..."`` a package whose digest differs is refused before anything is read
-    (``sdkiln inspect`` prints it). The order of the work is the module docstring's.
+    Every file is verified against the manifest (sizes, sha256, no links, no stray files) before it
+    is used, and every manifest section must be one this sdkiln restores. Each weights file is read
+    once, straight into its tensors' own storage (on an accelerator, shard by shard to the device),
+    so the host holds at most the package once (one shard for an accelerator) and nothing after.
+    ``parallel`` runs it on a device mesh, ``compile`` compiles its transformer
+    (``sdkiln.configs.runtime``; compiled code is cached per package digest, device and torch
+    version, ``runtime.compile.cache``). The manifest is kept on the pipeline as
+    ``pipe.sdkiln_manifest``, its digest as ``pipe.sdkiln_digest`` and the time each phase took as
+    ``pipe.sdkiln_cold_start`` (``ColdStart``); with ``digest="sha256:..."`` a package whose digest
+    differs is refused before anything is read (``sdkiln inspect`` prints it). The order of the
+    work is the module docstring's.
     """
+    clock = ColdStart()
     _check_parallel_compile(parallel, compile)
     target = kernels.resolve_device(device)
     pkg = open_package(path, digest=digest)
@@ -206,18 +231,28 @@ def load(
             "graph inside the routed attention processors, which torch.compile does not run correctly yet "
             "(docs/sparsity.md); load this package without compile"
         )
+    clock.mark("verify")
+    # straight to the accelerator, shard by shard; a mesh picks each rank's device after assembly
+    placed = target if target.type != "cpu" and parallel is None else None
+    if placed is not None:
+        kernels.load_device_kernels(target.type)
     ctx = restore.RestoreContext(pkg, build_transformer(pkg))
     restore.run_stage("build", sections, ctx)
-    load_weights(pkg, ctx.transformer)
-    ctx.pipeline = _assemble(pkg, ctx.transformer)
+    clock.mark("build")
+    load_weights(pkg, ctx.transformer, placed)
+    clock.mark("read")
+    ctx.pipeline = _assemble(pkg, ctx.transformer, placed)
     restore.run_stage("attach", sections, ctx)
+    clock.mark("assemble")
     target = _parallel(ctx, parallel, target)
     kernels.load_device_kernels(target.type)
     ctx.pipeline.to(target)
     ctx.pipeline.sdkiln_widened = {}
-    if target.type == "cpu":
-        _align_on_cpu(ctx.pipeline)
-        if compile is None:
-            ctx.pipeline.sdkiln_widened = widen_slow_dtypes(ctx.pipeline)
-    _compile(ctx, compile)
+    if target.type == "cpu" and compile is None:
+        ctx.pipeline.sdkiln_widened = widen_slow_dtypes(ctx.pipeline)
+    clock.mark("device")
+    _compile(ctx, compile, target)
+    clock.mark("compile")
+    clock.watch_first_step(getattr(ctx.pipeline, ctx.transformer_attr))
+    ctx.pipeline.sdkiln_cold_start = clock
     return ctx.pipeline

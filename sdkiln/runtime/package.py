@@ -4,18 +4,25 @@ The writer (``sdkiln.export``) imports the constants from here, so the reader is
 that defines what a valid package is. ``docs/package-format.md`` is the prose version and
 ``docs/security.md`` the threat model.
 
-Each file is read once: its bytes are hashed and kept, and every later reader (JSON, safetensors,
-the tokenizer files) parses those same bytes, so what is used is exactly what was verified, even
-if someone rewrites the directory while it loads. The manifest's own sha256 is the package
-**digest**: the manifest lists every file's sha256, so one digest pins the whole package.
+``open_package`` verifies the manifest, the directory (no links, no stray files, every listed file
+present, regular and of its listed size) and reads and hashes every small file (JSON, text, PNG),
+keeping their bytes: every later reader of them parses those same bytes, so what is used is exactly
+what was verified, even if someone rewrites the directory while it loads. Weights (``.safetensors``,
+the bulk of a package) are read once, when they are used (``Package.tensors``): each tensor's bytes
+go straight into that tensor's own storage, hashed on the way, and no tensor is handed out before the
+whole file's sha256 matched. ``Package.verify`` hashes the files not read yet (``sdkiln inspect``,
+``publish``). The manifest's own sha256 is the package **digest**: the manifest lists every file's
+sha256, so one digest pins the whole package.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from stat import S_ISREG
@@ -42,6 +49,7 @@ MAX_JSON_DEPTH = 64
 # transformers' "no limit" model_max_length (int(1e30), 31 digits).
 MAX_INT_DIGITS = 40
 DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
+HEADER_LIMIT = 100 << 20  # bytes of a safetensors header: the safetensors library's own limit
 
 
 def sha256_file(path: Path) -> str:
@@ -135,27 +143,173 @@ def check_digest(digest: str) -> str:
     return digest
 
 
+WEIGHTS_SUFFIX = ".safetensors"
+"""Files read when used (``Package.tensors``), not when the package is opened."""
+HASH_CHUNK = 16 << 20
+
+
+def read_head(stream: VerifiedStream) -> bytes:
+    """A safetensors file's 8-byte header length and its header, from the start of ``stream``."""
+    if stream.size < 8:
+        raise stream.refuse(
+            PackageError(f"{stream.rel}: {stream.size} bytes, too short for a safetensors file")
+        )
+    length = stream.read(8)
+    n = int.from_bytes(length, "little")
+    if n > min(HEADER_LIMIT, stream.size - 8):
+        raise stream.refuse(
+            PackageError(f"{stream.rel}: safetensors header of {n} bytes does not fit the file")
+        )
+    return length + stream.read(n)
+
+
+class VerifiedStream:
+    """One listed file, opened inside the package: every byte read is hashed, and ``finish`` checks
+    that the file ended where the manifest says and that its sha256 matches. Nothing read from it
+    may be used before ``finish`` returned."""
+
+    def __init__(self, fh, rel: str, size: int, sha256: str):
+        self.fh, self.rel, self.size, self.expected = fh, rel, size, sha256
+        self.hash = hashlib.sha256()
+        self.position = 0
+
+    def read(self, n: int) -> bytes:
+        data = self.fh.read(n)
+        if len(data) != n:
+            raise PackageError(f"{self.rel}: changed size while it was read (being rewritten?)")
+        self.hash.update(data)
+        self.position += n
+        return data
+
+    def readinto(self, buffer) -> None:
+        """Fill ``buffer`` (a writable buffer of bytes) from the file, in chunks."""
+        view = memoryview(buffer).cast("B")
+        for start in range(0, len(view), HASH_CHUNK):
+            chunk = view[start : start + HASH_CHUNK]
+            if self.fh.readinto(chunk) != len(chunk):
+                raise PackageError(f"{self.rel}: changed size while it was read (being rewritten?)")
+            self.hash.update(chunk)
+        self.position += len(view)
+
+    def drain(self) -> None:
+        """Hash the rest of the file without keeping it."""
+        buffer = bytearray(min(HASH_CHUNK, max(self.size - self.position, 0)))
+        while self.position < self.size:
+            n = min(len(buffer), self.size - self.position)
+            self.readinto(memoryview(buffer)[:n])
+
+    def finish(self) -> None:
+        if self.position != self.size or self.fh.read(1):
+            raise PackageError(f"{self.rel}: changed size while it was read (being rewritten?)")
+        if self.hash.hexdigest() != self.expected:
+            raise PackageError(f"{self.rel}: sha256 does not match {MANIFEST} (corrupt or tampered)")
+
+    def refuse(self, error: PackageError) -> PackageError:
+        """``error`` (the file's content is malformed), unless the file is not what the manifest
+        lists: then that is the error to report."""
+        self.drain()
+        self.finish()
+        return error
+
+
 @dataclass(frozen=True)
 class Package:
-    """A verified package: its root, its parsed manifest, its digest, and the verified bytes of
-    every file it lists (``data``)."""
+    """A verified package: its root, its parsed manifest, its digest, the verified bytes of its small
+    files (``data``), and its weights files, read and verified when used (``tensors``)."""
 
     root: Path
     manifest: dict[str, Any]
     digest: str
-    blobs: dict[str, bytearray] = field(repr=False, default_factory=dict)
+    blobs: dict[str, bytes] = field(repr=False, default_factory=dict)
     manifest_bytes: bytes = field(repr=False, default=b"")
     """The manifest as read, whose sha256 is ``digest`` (what a copy of the package must carry)."""
+    verified: set[str] = field(repr=False, default_factory=set)
+    """Weights files read (or hashed) and found to match the manifest."""
+    headers: dict[str, bytes] = field(repr=False, default_factory=dict)
+    """Safetensors headers read ahead of their file (``header``), to be matched when it is read."""
 
-    def data(self, rel: str) -> bytearray:
-        """The verified bytes of a listed file."""
+    @property
+    def files(self) -> list[str]:
+        """Every listed file, sorted."""
+        return sorted(self.manifest["files"])
+
+    def data(self, rel: str) -> bytes:
+        """The verified bytes of a listed small file (JSON, text, PNG)."""
         check_relpath(rel)
-        if rel not in self.blobs:
+        if rel not in self.manifest["files"]:
             raise PackageError(f"{rel}: not listed in {MANIFEST}")
+        if rel not in self.blobs:
+            raise PackageError(f"{rel}: a weights file, read with Package.tensors, not as bytes")
         return self.blobs[rel]
 
     def read_json(self, rel: str) -> Any:
         return parse_json(self.data(rel), rel)
+
+    @contextlib.contextmanager
+    def open(self, rel: str) -> Iterator[VerifiedStream]:
+        """Read the listed file ``rel`` through a ``VerifiedStream``; the caller calls ``finish``."""
+        check_relpath(rel)
+        meta = self.manifest["files"].get(rel)
+        if meta is None:
+            raise PackageError(f"{rel}: not listed in {MANIFEST}")
+        root_fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        try:
+            fd = _open_listed(root_fd, rel, meta["size"])
+        finally:
+            os.close(root_fd)
+        with os.fdopen(fd, "rb", buffering=0) as fh:
+            yield VerifiedStream(fh, rel, meta["size"], meta["sha256"])
+
+    def header(self, rel: str) -> bytes:
+        """The header of the safetensors file ``rel`` (its 8-byte length and JSON), read ahead of the
+        file to size a model before its weights are read. Not verified yet: ``tensors`` reads the
+        file and refuses it if this header is not the one the verified file holds."""
+        if rel not in self.headers:
+            with self.open(rel) as stream:
+                self.headers[rel] = read_head(stream)
+        return self.headers[rel]
+
+    def tensors(self, rel: str, device: Any = None) -> dict[str, Any]:
+        """Every tensor of the safetensors file ``rel``, each in storage of its own (no tensor views
+        the whole file), after the file's sha256 matched; on ``device`` if given, where each goes
+        once the file is verified (the host copy is freed as it goes)."""
+        from sdkiln.runtime.safetensors_data import read_tensors
+
+        with self.open(rel) as stream:
+            tensors = read_tensors(stream, rel, self.headers.get(rel))
+        self.verified.add(rel)
+        if device is not None:
+            for name in list(tensors):
+                tensors[name] = tensors[name].to(device)
+        return tensors
+
+    def copy(self, rel: str, dest: Path) -> None:
+        """Write the listed file ``rel`` to ``dest``, verified: a file that does not match is an error
+        (and ``dest`` holds unverified bytes: write into a directory that is discarded on error)."""
+        if rel in self.blobs:
+            dest.write_bytes(self.blobs[rel])
+            return
+        with self.open(rel) as stream, open(dest, "wb") as out:
+            buffer = bytearray(min(HASH_CHUNK, stream.size))
+            while stream.position < stream.size:
+                n = min(len(buffer), stream.size - stream.position)
+                stream.readinto(memoryview(buffer)[:n])
+                out.write(memoryview(buffer)[:n])
+            stream.finish()
+        self.verified.add(rel)
+
+    def verify(self) -> None:
+        """Hash every weights file not read yet (one pass over each, nothing kept but its header, so
+        ``header`` then returns what was verified)."""
+        for rel in self.files:
+            if rel.endswith(WEIGHTS_SUFFIX) and rel not in self.verified:
+                with self.open(rel) as stream:
+                    head = read_head(stream)
+                    stream.drain()
+                    stream.finish()
+                if self.headers.setdefault(rel, head) != head:
+                    raise PackageError(f"{rel}: changed while it was read (being rewritten?)")
+                self.verified.add(rel)
 
 
 def _open_inside(root_fd: int, rel: str) -> int:
@@ -176,12 +330,16 @@ def _open_inside(root_fd: int, rel: str) -> int:
             os.close(fd)
 
 
-def _read_verified(root_fd: int, rel: str, meta: Any) -> bytearray:
+def _check_meta(rel: str, meta: Any) -> None:
     if not isinstance(meta, dict) or set(meta) != {"sha256", "size"}:
         raise PackageError(f"{MANIFEST}: files[{rel!r}] must be {{'sha256': ..., 'size': ...}}")
     size, expected = meta["size"], meta["sha256"]
     if type(size) is not int or size < 0 or not isinstance(expected, str):
         raise PackageError(f"{MANIFEST}: files[{rel!r}] has a malformed size or sha256")
+
+
+def _open_listed(root_fd: int, rel: str, size: int) -> int:
+    """An open descriptor of the regular file ``rel`` of exactly ``size`` bytes."""
     try:
         fd = _open_inside(root_fd, rel)
     except FileNotFoundError:
@@ -190,21 +348,23 @@ def _read_verified(root_fd: int, rel: str, meta: Any) -> bytearray:
         raise PackageError(
             f"{rel}: cannot be opened ({exc.strerror}); packages may not contain links"
         ) from None
-    with os.fdopen(fd, "rb") as fh:
-        stat = os.fstat(fh.fileno())
-        if not S_ISREG(stat.st_mode):
-            raise PackageError(f"{rel}: not a regular file")
-        actual = stat.st_size
-        if actual != size:
-            raise PackageError(f"{rel}: size {actual} != {size} in {MANIFEST} (corrupt or tampered)")
-        try:
-            data = bytearray(size)
-        except MemoryError:
-            raise PackageError(f"{rel}: {size:,} bytes do not fit in this machine's memory") from None
-        if fh.readinto(data) != size or fh.read(1):
-            raise PackageError(f"{rel}: changed size while it was read (being rewritten?)")
-    if hashlib.sha256(data).hexdigest() != expected:
-        raise PackageError(f"{rel}: sha256 does not match {MANIFEST} (corrupt or tampered)")
+    stat = os.fstat(fd)
+    problem = None
+    if not S_ISREG(stat.st_mode):
+        problem = f"{rel}: not a regular file"
+    elif stat.st_size != size:
+        problem = f"{rel}: size {stat.st_size} != {size} in {MANIFEST} (corrupt or tampered)"
+    if problem:
+        os.close(fd)
+        raise PackageError(problem)
+    return fd
+
+
+def _read_small(root_fd: int, rel: str, meta: dict[str, Any]) -> bytes:
+    with os.fdopen(_open_listed(root_fd, rel, meta["size"]), "rb") as fh:
+        stream = VerifiedStream(fh, rel, meta["size"], meta["sha256"])
+        data = stream.read(meta["size"])
+        stream.finish()
     return data
 
 
@@ -263,7 +423,13 @@ def open_package(root: str | os.PathLike, digest: str | None = None) -> Package:
             raise PackageError(f"{rel}: resolves outside the package; refusing it")
     root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     try:
-        blobs = {rel: _read_verified(root_fd, rel, meta) for rel, meta in listed.items()}
+        blobs = {}
+        for rel, meta in listed.items():
+            _check_meta(rel, meta)
+            if rel.endswith(WEIGHTS_SUFFIX):
+                os.close(_open_listed(root_fd, rel, meta["size"]))  # there, regular, of its size
+            else:
+                blobs[rel] = _read_small(root_fd, rel, meta)
     finally:
         os.close(root_fd)
     return Package(root=root, manifest=manifest, digest=found, blobs=blobs, manifest_bytes=raw)

@@ -1,11 +1,14 @@
-"""Safetensors, read from a package's verified bytes: a strict header check, then tensors that are
-views of those bytes (no second read of the file, no copy).
+"""Safetensors, read from a package file once: a strict header check, then each tensor's bytes read
+straight into storage of its own, hashed on the way (``runtime.package.VerifiedStream``).
 
 The format is an 8-byte little-endian header length, a JSON header mapping each tensor name to its
-dtype, shape and byte range, then the data. ``safetensors`` itself reads files by path, which would
-read them again after verification; this reader parses the same bytes the hash was taken over, and
-checks every header field (types, dtypes, that the byte ranges tile the data exactly) before a view
-is made, so a corrupt header is one ``PackageError`` naming the file and the tensor.
+dtype, shape and byte range, then the data. ``safetensors`` itself reads files by path (or maps
+them), which would read them again after verification or keep the file mapped behind every tensor;
+this reader parses the bytes the hash is taken over and checks every header field (types, dtypes,
+that the byte ranges tile the data exactly) before anything is allocated, so a corrupt header is one
+``PackageError`` naming the file and the tensor. Each tensor is allocated by torch's allocator
+(aligned to 64 bytes on the CPU) and filled from the file: no copy, no view of a whole file, and at
+most the file's size in memory, handed out only after the file's sha256 matched.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from sdkiln.errors import PackageError
-from sdkiln.runtime.package import parse_json
+from sdkiln.runtime.package import VerifiedStream, parse_json, read_head
 
 DTYPES = {
     "F64": torch.float64,
@@ -51,14 +54,13 @@ class TensorInfo:
         return n
 
 
-def read_header(data: bytearray, where: str) -> tuple[int, dict[str, TensorInfo]]:
-    """The data's start and each tensor's ``TensorInfo``; ``PackageError`` for anything malformed."""
-    if len(data) < 8:
-        raise PackageError(f"{where}: {len(data)} bytes, too short for a safetensors file")
-    size = int.from_bytes(data[:8], "little")
-    if size > MAX_HEADER_BYTES or 8 + size > len(data):
+def parse_header(head: bytes, file_size: int, where: str) -> tuple[int, dict[str, TensorInfo]]:
+    """The data's start and each tensor's ``TensorInfo`` from ``head`` (the 8-byte length and the
+    JSON header) of a file of ``file_size`` bytes; ``PackageError`` for anything malformed."""
+    size = int.from_bytes(head[:8], "little")
+    if size > MAX_HEADER_BYTES or 8 + size > file_size or len(head) != 8 + size:
         raise PackageError(f"{where}: safetensors header of {size} bytes does not fit the file")
-    header = parse_json(data[8 : 8 + size], f"{where} (safetensors header)")
+    header = parse_json(head[8:], f"{where} (safetensors header)")
     if not isinstance(header, dict):
         raise PackageError(f"{where}: safetensors header is not an object")
     meta = header.pop("__metadata__", {})
@@ -94,25 +96,33 @@ def read_header(data: bytearray, where: str) -> tuple[int, dict[str, TensorInfo]
         if info.start != position:
             raise PackageError(f"{where}: tensor {name!r}: byte ranges overlap or leave a gap")
         position = info.end
-    if 8 + size + position != len(data):
+    if 8 + size + position != file_size:
         raise PackageError(f"{where}: the tensors' byte ranges do not cover the data exactly")
     return 8 + size, infos
 
 
-def load_tensors(data: bytearray, where: str) -> dict[str, torch.Tensor]:
-    """Every tensor of a safetensors file held in ``data``, as views of it (copied only where a
-    tensor's offset is not aligned to its element size)."""
-    base, infos = read_header(data, where)
-    buf = torch.frombuffer(data, dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8)
+def read_tensors(
+    stream: VerifiedStream, where: str, expected_head: bytes | None = None
+) -> dict[str, torch.Tensor]:
+    """Every tensor of the safetensors file ``stream`` reads, each in storage of its own, returned
+    once the whole file matched its sha256. ``expected_head``, a header read ahead of the file
+    (``Package.header``), must be the one the file holds."""
+    head = read_head(stream)
+    try:
+        base, infos = parse_header(head, stream.size, where)
+    except PackageError as exc:
+        raise stream.refuse(exc) from None
+    if expected_head is not None and head != expected_head:
+        raise PackageError(f"{where}: changed while it was read (being rewritten?)")
     tensors = {}
-    for name, info in infos.items():
-        dtype = DTYPES[info.dtype]
-        raw = buf[base + info.start : base + info.end]
-        if (base + info.start) % dtype.itemsize:
-            raw = raw.clone()
-        tensors[name] = raw.view(dtype).reshape(info.shape)
+    for name, info in sorted(infos.items(), key=lambda kv: kv[1].start):
+        raw = torch.empty(info.end - info.start, dtype=torch.uint8)
+        if raw.numel():
+            stream.readinto(raw.numpy())
+        tensors[name] = raw.view(DTYPES[info.dtype]).reshape(info.shape)
+    stream.finish()
     return tensors
 
 
-def header_numel(data: bytearray, where: str) -> int:
-    return sum(info.numel for info in read_header(data, where)[1].values())
+def header_infos(head: bytes, file_size: int, where: str) -> dict[str, TensorInfo]:
+    return parse_header(head, file_size, where)[1]

@@ -33,6 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from fuzz_mutate import mutate  # noqa: E402
+from reshard import reshard  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 SEED_PACKAGE = ROOT / "tests" / "fixtures" / "schema1_flux_tiny" / "package"
@@ -128,8 +129,10 @@ def fuzz(
     timeout: float = 10.0,
     memory_gb: float = 2.0,
     progress=None,
+    shard_bytes: int | None = None,
 ) -> tuple[list[dict], dict]:
-    """Run ``cases`` mutated packages (seeds ``first_seed``...), ``jobs`` at a time."""
+    """Run ``cases`` mutated packages (seeds ``first_seed``...), ``jobs`` at a time; with
+    ``shard_bytes``, of the seed package with its transformer in shards of that size (``reshard``)."""
     import torch
 
     from sdkiln.runtime.package import open_package
@@ -139,6 +142,8 @@ def fuzz(
     try:
         pristine = tmp / "pristine"
         shutil.copytree(SEED_PACKAGE, pristine)
+        if shard_bytes is not None:
+            reshard(pristine, shard_bytes)
         (tmp / "w").mkdir()
         base = run_case(pristine, tmp / "w", None, None)  # also warms every import before forking
         if base["outcome"] != "identical":

@@ -37,3 +37,24 @@ def test_fuzz_smoke_set_has_no_tracebacks_hangs_or_silent_changes():
         "safetensors_header",
         "path_trick",
     }
+
+
+SHARDED_CASES = 100
+
+
+def test_fuzz_smoke_set_on_a_sharded_package():
+    """The same mutations on the seed package with its transformer in four shards and an index."""
+    results, summary = fuzz(
+        SHARDED_CASES, first_seed=10_000, jobs=2, timeout=10.0, memory_gb=2.0, shard_bytes=1 << 20
+    )
+    failures = [r for r in results if r["outcome"] in FAILURES]
+    assert not failures, (
+        table(summary)
+        + "\n"
+        + "\n".join(
+            f"seed {r['seed']} {r['outcome']}: {r.get('mutation')} -> {r.get('message')}" for r in failures
+        )
+    )
+    outcomes = summary["outcomes"]
+    assert outcomes.get("identical", 0) > 10 and outcomes.get("refused", 0) > 30, outcomes
+    assert any("-of-" in (r.get("mutation") or "") for r in results), "no mutation touched a shard"
