@@ -663,6 +663,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         out = timing.RESULTS / f"scale_{report['device']['kind']}.json"
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
+        if out.is_file() and "load" in (kept := json.loads(out.read_text())):
+            report["load"] = kept["load"]  # bench/scale_load.py's section
         out.write_text(json.dumps(report, indent=1, allow_nan=False) + "\n")
     print(table(report))
     if out is not None:
