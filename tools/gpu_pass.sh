@@ -7,6 +7,8 @@
 #   tests    the CUDA tests: pytest -m gpu
 #   kernels  bench/kernels.py --device cuda --quick --no-compile
 #   e2e      bench/e2e.py --device cuda --quick, FLUX.1-dev size, eager and our device-kernel rows
+#   load     bench/scale_load.py --device cuda --full: the full FLUX.1-dev W8A8 package loaded to the
+#            GPU, cold and warm (compile cache) start to the first 1024x1024 step, host and device peaks
 #   scale    bench/scale.py --device cuda --full: optimize's peak memory against its bound
 #
 # Each part runs under its own `timeout` and the time left of GPU_PASS_TOTAL_S (540 s); a part that
@@ -15,20 +17,20 @@
 # bench/results/ (named by the device: kernels_h100_quick.json, ...). summary.json and summary.txt
 # list each part's exit code and seconds; the script exits 0 only when every part passed.
 #
-#   tools/gpu_pass.sh [--dry-run] [--parts wheels,tests,kernels,e2e,scale]
+#   tools/gpu_pass.sh [--dry-run] [--parts wheels,tests,kernels,e2e,load,scale]
 #
 # --dry-run (or GPU_PASS_DRY_RUN=1) runs every part on CPU in its smallest form (the wheels' imports,
 # test collection only, one small op, the small e2e model, scale.py --dry-run --full) into a
 # temporary folder and copies nothing to bench/results/: the plumbing, tested without a GPU.
 # Settings: GPU_PASS_PARTS, GPU_PASS_TOTAL_S, GPU_PASS_BUDGET_<PART> (seconds), GPU_PASS_<PART>_ARGS
-# (extra arguments: TESTS, KERNELS, E2E, SCALE), GPU_PASS_TESTS (test paths, default tests),
+# (extra arguments: TESTS, KERNELS, E2E, LOAD, SCALE), GPU_PASS_TESTS (test paths, default tests),
 # GPU_WHEELS, PYTHON.
 set -u -o pipefail
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
 DRY=${GPU_PASS_DRY_RUN:-0}
-PARTS=${GPU_PASS_PARTS:-wheels,tests,kernels,e2e,scale}
+PARTS=${GPU_PASS_PARTS:-wheels,tests,kernels,e2e,load,scale}
 while [ $# -gt 0 ]; do
 	case $1 in
 	--dry-run) DRY=1 ;;
@@ -151,6 +153,7 @@ if [ "$DRY" = 1 ]; then
 		--out "$PASS_DIR/kernels_${KIND}_quick.json" ${GPU_PASS_KERNELS_ARGS:-}
 	part e2e "$(budget e2e 60)" "$PY" bench/e2e.py --device cpu --quick --model flux --rows eager,ours-w8a8-ref \
 		--out "$PASS_DIR/e2e_${KIND}_quick.json" ${GPU_PASS_E2E_ARGS:-}
+	part load "$(budget load 60)" "$PY" bench/scale_load.py --device cuda --full --dry-run ${GPU_PASS_LOAD_ARGS:-}
 	part scale "$(budget scale 60)" "$PY" bench/scale.py --dry-run --full --out "$PASS_DIR/scale_${KIND}.json" \
 		${GPU_PASS_SCALE_ARGS:-}
 else
@@ -160,6 +163,9 @@ else
 		--out "$PASS_DIR/kernels_${KIND}_quick.json" ${GPU_PASS_KERNELS_ARGS:-}
 	part e2e "$(budget e2e 90)" "$PY" bench/e2e.py --device cuda --quick --model flux \
 		--rows eager,ours-w8a8-eager,ours-fp8-eager --out "$PASS_DIR/e2e_${KIND}_quick.json" ${GPU_PASS_E2E_ARGS:-}
+	# the load's JSON goes under "load" in scale_<kind>.json, which scale.py then keeps
+	part load "$(budget load 270)" "$PY" bench/scale_load.py --device cuda --full \
+		--out "$PASS_DIR/scale_${KIND}.json" ${GPU_PASS_LOAD_ARGS:-}
 	# scale.py stops itself 20 s before its budget, so its JSON is written; timeout is the backstop
 	SCALE_S=$(budget scale 540)
 	part scale "$SCALE_S" "$PY" bench/scale.py --device cuda --full --budget-s $((SCALE_S > 40 ? SCALE_S - 20 : SCALE_S / 2)) \

@@ -3,6 +3,7 @@ its load-time options (parallel, compile) in the documented order."""
 
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -113,3 +114,19 @@ def test_load_time_configs_round_trip_and_validate():
         CompileConfig(mode="fast")
     with pytest.raises(SdkilnError, match="unknown fields: speed"):
         CompileConfig.from_dict({"speed": 1})
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_a_package_loads_onto_cuda_shard_by_shard(tmp_path):
+    """Bound for CUDA, the weights go to the device file by file as they are verified; the pipeline
+    generates what the CPU load does within the device kernels' tolerance."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fuzz"))
+    from reshard import reshard
+
+    root = Path(shutil.copytree(FIXTURE, tmp_path / "pkg"))
+    reshard(root, 1 << 20)
+    pipe = sdkiln.load(root, device="cuda")
+    modules = [c for c in pipe.components.values() if isinstance(c, torch.nn.Module)]
+    assert all(t.device.type == "cuda" for c in modules for t in [*c.parameters(), *c.buffers()])
+    assert set(pipe.sdkiln_cold_start.phases) >= {"verify", "build", "read", "assemble", "device"}

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PARTS = ["wheels", "tests", "kernels", "e2e", "scale"]
+PARTS = ["wheels", "tests", "kernels", "e2e", "load", "scale"]
 
 
 def _pass(tmp_path: Path, **env: str) -> tuple[subprocess.CompletedProcess, Path]:
