@@ -13,9 +13,7 @@ from fuzz_harness import FAILURES, fuzz, table  # noqa: E402
 SMOKE_CASES = 300
 
 
-def test_fuzz_smoke_set_has_no_tracebacks_hangs_or_silent_changes():
-    results, summary = fuzz(SMOKE_CASES, first_seed=0, jobs=2, timeout=10.0, memory_gb=2.0)
-    assert len(results) == SMOKE_CASES
+def assert_no_failures(results: list[dict], summary: dict) -> None:
     failures = [r for r in results if r["outcome"] in FAILURES]
     assert not failures, (
         table(summary)
@@ -24,6 +22,12 @@ def test_fuzz_smoke_set_has_no_tracebacks_hangs_or_silent_changes():
             f"seed {r['seed']} {r['outcome']}: {r.get('mutation')} -> {r.get('message')}" for r in failures
         )
     )
+
+
+def test_fuzz_smoke_set_has_no_tracebacks_hangs_or_silent_changes():
+    results, summary = fuzz(SMOKE_CASES, first_seed=0, jobs=2, timeout=10.0, memory_gb=2.0)
+    assert len(results) == SMOKE_CASES
+    assert_no_failures(results, summary)
     outcomes = summary["outcomes"]
     # the set reaches every outcome that is not a failure, so a harness that refused everything
     # (or loaded nothing) would not pass
@@ -47,14 +51,7 @@ def test_fuzz_smoke_set_on_a_sharded_package():
     results, summary = fuzz(
         SHARDED_CASES, first_seed=10_000, jobs=2, timeout=10.0, memory_gb=2.0, shard_bytes=1 << 20
     )
-    failures = [r for r in results if r["outcome"] in FAILURES]
-    assert not failures, (
-        table(summary)
-        + "\n"
-        + "\n".join(
-            f"seed {r['seed']} {r['outcome']}: {r.get('mutation')} -> {r.get('message')}" for r in failures
-        )
-    )
+    assert_no_failures(results, summary)
     outcomes = summary["outcomes"]
     assert outcomes.get("identical", 0) > 10 and outcomes.get("refused", 0) > 30, outcomes
     assert any("-of-" in (r.get("mutation") or "") for r in results), "no mutation touched a shard"
