@@ -196,6 +196,12 @@ def cmd_run(args) -> int:
             kernels.reset_kernel_counts()
         status = _generate(args, pipe, prompts, out_path, parallel)
         if args.verbose:
+            phases = pipe.sdkiln_cold_start.phases
+            print(
+                f"cold start {sum(phases.values()):.1f} s to the first step's end: "
+                + ", ".join(f"{k} {v:.2f}" for k, v in phases.items())
+                + (f" (compile cache {pipe.sdkiln_compile_cache})" if compile_config else "")
+            )
             print("kernels that ran (op, device: kernel x calls):")
             for (op, device_type, name), n in sorted(kernels.kernel_counts().items()):
                 print(f"  {op}, {device_type}: {name} x {n}")
@@ -472,7 +478,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--verbose",
         action="store_true",
         help="print the device's kernel table (on a CPU: its instruction sets and the products chosen) "
-        "and, after generating, which kernel ran each sdkiln op how often",
+        "and, after generating, the cold start by phase (sdkiln.runtime.loader.ColdStart) and which kernel "
+        "ran each sdkiln op how often",
     )
     par = r.add_argument_group(
         "parallel (launch with torchrun --nproc-per-node N -m sdkiln run ...; the degrees multiply to N; docs/parallel.md)"
