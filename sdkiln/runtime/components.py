@@ -245,7 +245,12 @@ def stored_infos(pkg: Package, name: str) -> dict[str, TensorInfo]:
     weights, checked when the weights are read)."""
     infos: dict[str, TensorInfo] = {}
     for rel in weight_files(pkg, name)[0]:
-        for key, info in parse_header(pkg.header(rel), pkg.manifest["files"][rel]["size"], rel)[1].items():
+        try:
+            found = parse_header(pkg.header(rel), pkg.manifest["files"][rel]["size"], rel)[1]
+        except PackageError:
+            pkg.verify_file(rel)  # a damaged file is reported as damaged, not as a bad header
+            raise
+        for key, info in found.items():
             if key in infos:
                 raise PackageError(f"{rel}: tensor {key!r} is stored twice in {name}/")
             infos[key] = info

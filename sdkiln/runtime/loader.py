@@ -138,15 +138,17 @@ def _check_parallel_compile(parallel: ParallelConfig | None, compile: CompileCon
     """The parallel layouts ``compile`` is verified with, checked before any work: CFG parallel
     (its exchange runs in the outermost hook, outside the compiled region) but not yet sequence
     parallelism, whose attention backend breaks the compiled graph inside the routed diffusers
-    processors, which torch.compile does not run correctly yet (docs/parallel.md), nor CUDA graphs
-    across ranks, which no GPU has verified."""
+    processors (which compiles and runs on one process since the seam shares one routed class,
+    but has not been verified across ranks: docs/parallel.md), nor CUDA graphs across ranks,
+    which no GPU has verified."""
     if parallel is None or compile is None:
         return
     if parallel.sequence > 1:
         raise ParallelError(
             f"compile with ulysses {parallel.ulysses} x ring {parallel.ring} is not supported yet: the "
-            "sequence-parallel attention breaks the compiled graph inside the routed attention processors; "
-            "run sequence parallelism without compile, or compile with CFG parallel alone"
+            "sequence-parallel attention breaks the compiled graph inside the routed attention processors, "
+            "which is not verified across ranks; run sequence parallelism without compile, or compile with "
+            "CFG parallel alone"
         )
     if compile.cuda_graphs and parallel.world_size > 1:
         raise ParallelError(
@@ -156,10 +158,13 @@ def _check_parallel_compile(parallel: ParallelConfig | None, compile: CompileCon
 
 def _compile(ctx: restore.RestoreContext, compile: CompileConfig | None, device: torch.device) -> None:
     if compile is not None:
+        from sdkiln.model_zoo import get_spec
         from sdkiln.runtime.compile import compile_transformer, use_compile_cache
 
+        info = ctx.package.manifest["model"]
+        lists = tuple(bl.attr for bl in get_spec(info["family"], info.get("variant")).block_lists)
         ctx.pipeline.sdkiln_compile_cache = use_compile_cache(compile, ctx.package.digest, device)
-        setattr(ctx.pipeline, ctx.transformer_attr, compile_transformer(ctx.transformer, compile))
+        setattr(ctx.pipeline, ctx.transformer_attr, compile_transformer(ctx.transformer, compile, lists))
 
 
 class ColdStart:
@@ -228,8 +233,8 @@ def load(
     if compile is not None and any(s.name == sparse_restore.NAME for s in sections):
         raise SdkilnError(
             "compile with block-sparse attention is not supported yet: the sparse backend breaks the compiled "
-            "graph inside the routed attention processors, which torch.compile does not run correctly yet "
-            "(docs/sparsity.md); load this package without compile"
+            "graph inside the routed attention processors and reads each layer's own plan, so every block "
+            "would compile its own graph (docs/sparsity.md); load this package without compile"
         )
     clock.mark("verify")
     # straight to the accelerator, shard by shard; a mesh picks each rank's device after assembly

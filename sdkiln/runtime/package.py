@@ -303,13 +303,17 @@ class Package:
         ``header`` then returns what was verified)."""
         for rel in self.files:
             if rel.endswith(WEIGHTS_SUFFIX) and rel not in self.verified:
-                with self.open(rel) as stream:
-                    head = read_head(stream)
-                    stream.drain()
-                    stream.finish()
-                if self.headers.setdefault(rel, head) != head:
-                    raise PackageError(f"{rel}: changed while it was read (being rewritten?)")
-                self.verified.add(rel)
+                self.verify_file(rel)
+
+    def verify_file(self, rel: str) -> None:
+        """Hash the weights file ``rel`` (one pass, nothing kept but its header)."""
+        with self.open(rel) as stream:
+            head = read_head(stream)
+            stream.drain()
+            stream.finish()
+        if self.headers.setdefault(rel, head) != head:
+            raise PackageError(f"{rel}: changed while it was read (being rewritten?)")
+        self.verified.add(rel)
 
 
 def _open_inside(root_fd: int, rel: str) -> int:

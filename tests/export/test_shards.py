@@ -172,3 +172,17 @@ def test_the_writer_streams_shards_in_the_deployment_dtype(tmp_path):
     assert loaded.x_embedder.weight.dtype == torch.bfloat16
     floats = {n: p.dtype for n, p in loaded.named_parameters() if p.is_floating_point()}
     assert set(floats.values()) == {torch.bfloat16}, floats
+
+
+def test_a_broken_header_reports_the_hash_unless_the_manifest_vouches_for_it(sharded):
+    """A file whose header does not parse is first checked against its sha256: damage is reported as
+    damage; only a file the manifest lists as it is (a forger's) gets the header's own error."""
+    shard = _shard(sharded, 3)
+    data = bytearray(shard.read_bytes())
+    data[9] = ord("[")  # the header's opening brace: no longer an object
+    shard.write_bytes(bytes(data))
+    with pytest.raises(PackageError, match="00003-of-00004.safetensors: sha256 does not match"):
+        sdkiln.load(sharded, device="cpu")
+    resign(sharded)
+    with pytest.raises(PackageError, match="00003-of-00004.safetensors.*(header|JSON)"):
+        sdkiln.load(sharded, device="cpu")

@@ -2,9 +2,14 @@
 spec's data, with the text tokens where the spec says, removable, composing with diffusers'
 parallel config, and compile-clean."""
 
+import gc
+import inspect
+import weakref
+
 import numpy as np
 import pytest
 import torch
+from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
 from torch._dynamo.utils import counters
 
 from sdkiln import metrics
@@ -64,6 +69,43 @@ def test_every_site_routes_with_its_text_tokens_and_unroutes(family):
     } == processors
     _, after_latents = generate(pipe, call, ["a photo of a cat"], [0])
     assert torch.equal(after_latents, before_latents)
+
+
+def test_every_module_of_a_processor_class_shares_one_routed_class(flux_tiny):
+    """One routed class (one code object, one namespace) per processor class and call kind, for every
+    module and every route: torch.compile sees the same processor in every block
+    (tests/runtime/test_compile_depth.py). It keeps diffusers' signature, which diffusers reads to
+    pick the keyword arguments it passes."""
+    spec, pipe = flux_tiny
+    originals = {n: m.processor for n, m in pipe.transformer.named_modules() if hasattr(m, "processor")}
+    classes = []
+    for _ in range(2):
+        route = route_attention(pipe.transformer, spec)
+        try:
+            classes.append({type(module.processor) for module, _ in route.routed.values()})
+            for module, processor in route.routed.values():
+                assert inspect.signature(module.processor.__call__) == inspect.signature(processor.__call__)
+        finally:
+            unroute_attention(pipe.transformer)
+    assert classes[0] == classes[1] and len(classes[0]) == 1
+    (routed,) = classes[0]
+    assert routed.__name__ == "RoutedFluxAttnProcessor" and routed.__bases__ == (FluxAttnProcessor,)
+    after = {n: m.processor for n, m in pipe.transformer.named_modules() if hasattr(m, "processor")}
+    assert after == originals
+
+
+def test_a_removed_route_keeps_nothing_alive():
+    """The routed classes are shared and the calling processor is recorded per call: after a call and
+    ``unroute_attention``, nothing of the route holds the transformer or its attention modules."""
+    spec = get_spec("flux-tiny")
+    pipe = spec.build()
+    route = route_attention(pipe.transformer, spec)
+    generate(pipe, spec.call_kwargs(), ["a photo of a cat"], [0])
+    unroute_attention(pipe.transformer)
+    refs = [weakref.ref(pipe.transformer)] + [weakref.ref(module) for module, _ in route.routed.values()]
+    del pipe, route
+    gc.collect()
+    assert all(ref() is None for ref in refs)
 
 
 def test_the_embedded_model_routed_matches_unrouted():

@@ -37,8 +37,9 @@ class TokenSpan:
 @dataclass
 class AttentionCall:
     site: Any
-    """The ``AttentionSite`` of the module this call comes from, and the module's name in ``name``."""
-    name: str
+    """The ``AttentionSite`` of the module this call comes from."""
+    processor: Any
+    """The module's routed processor, which knows the module's name (``name``)."""
     query: Tensor
     key: Tensor
     value: Tensor
@@ -58,6 +59,12 @@ class AttentionCall:
     sparse: Callable[..., Tensor] | None = None
     """The transformer's block-sparse attention plan (``sdkiln.runtime.sparse``) when one is attached:
     ``sparse(call, head_offset=0)`` computes a whole-sequence call under it."""
+
+    @property
+    def name(self) -> str:
+        """The attention module's name. A backend reads it only where it needs it (an error message, a
+        per-layer plan): every block of a kind compiles to one graph only while its name is not read."""
+        return self.processor._sdkiln_name
 
 
 Backend = Callable[[AttentionCall], Tensor]

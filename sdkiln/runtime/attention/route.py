@@ -1,16 +1,24 @@
 """Route a transformer's attention through an attention backend: one named, removable route per
 transformer, decided by the family's ``ModelSpec.attention`` data.
 
-Each routed attention module gets a copy of its diffusers processor whose ``__call__`` is
+Each routed attention module gets a copy of its diffusers processor whose class's ``__call__`` is
 diffusers' own code, rebound so that the one call it makes to compute attention
-(``dispatch_attention_fn`` or ``F.scaled_dot_product_attention``, the site's ``call``) reaches
-this module's site function instead. Nothing of the processor is rewritten: projections, norms,
-RoPE and output layers stay diffusers'. The site function builds an ``AttentionCall`` in diffusers'
-dispatch layout [B, S, H, D] (an SDPA call's [B, H, S, D] tensors are transposed views of it) with
-where the text tokens are, and hands it to the backend (``backends.py``). The processor's
-``_parallel_config``, which diffusers' ``enable_parallelism`` sets, still reaches the backend, so
-the route composes with diffusers' context parallelism rather than replacing it; a diffusers
-attention backend chosen with ``set_attention_backend`` is overridden while the route is on.
+(``dispatch_attention_fn`` or ``F.scaled_dot_product_attention``, the site's ``call``) reaches the
+route instead. Nothing of the processor is rewritten: projections, norms, RoPE and output layers stay
+diffusers'. The route builds an ``AttentionCall`` in diffusers' dispatch layout [B, S, H, D] (an SDPA
+call's [B, H, S, D] tensors are transposed views of it) with where the text tokens are, and hands it
+to the backend (``backends.py``). The processor's ``_parallel_config``, which diffusers'
+``enable_parallelism`` sets, still reaches the backend, so the route composes with diffusers' context
+parallelism rather than replacing it; a diffusers attention backend chosen with
+``set_attention_backend`` is overridden while the route is on.
+
+There is one routed class, with one rebound function and namespace, per processor class and call kind,
+shared by every module and every route. Its ``__call__`` records which processor is calling (per
+thread); the rebound attention call reads the module's route and site from that processor. So
+``torch.compile`` sees the same code and the same globals in every block of a kind and compiles one
+graph for them all; the module's name, which differs per block, is read only by a backend that needs
+it (``AttentionCall.name``). A code object runs with one namespace only, so the functions Dynamo
+installs in it (compiled graphs, resume functions after a graph break) are found again.
 
 The text token count comes from the transformer's text argument (``ModelSpec.text_arg``), read by
 a forward pre-hook under ``torch.compiler.disable``. ``unroute_attention`` restores the original
@@ -22,6 +30,7 @@ from __future__ import annotations
 import fnmatch
 import functools
 import inspect
+import threading
 import types
 from typing import Any
 
@@ -33,7 +42,6 @@ from sdkiln.errors import SdkilnError
 from sdkiln.runtime.attention.backends import AttentionCall, TokenSpan, backend
 
 ATTRIBUTE = "_sdkiln_attention"
-_CALLEES = {"dispatch": "dispatch_attention_fn", "sdpa": "F"}
 
 
 def _span(place: str, length: int, text: int) -> TokenSpan:
@@ -44,11 +52,11 @@ def _span(place: str, length: int, text: int) -> TokenSpan:
     return TokenSpan(0, text, length) if place == "first" else TokenSpan(length - text, length, length)
 
 
-def _refuse_training_options(name: str, dropout_p: float, is_causal: bool, enable_gqa: bool) -> None:
+def _refuse_training_options(processor, dropout_p: float, is_causal: bool, enable_gqa: bool) -> None:
     if dropout_p or is_causal or enable_gqa:
         raise SdkilnError(
-            f"{name}: the sdkiln attention route runs inference attention; dropout, causal masks and "
-            "grouped-query attention are not routed"
+            f"{processor._sdkiln_name}: the sdkiln attention route runs inference attention; dropout, "
+            "causal masks and grouped-query attention are not routed"
         )
 
 
@@ -85,30 +93,30 @@ class AttentionRoute:
             text = args[self._text_position]
         self.text_tokens = 0 if text is None else int(text.shape[1])
 
-    def dispatch(self, site, name: str, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
+    def dispatch(self, processor, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
                  scale=None, enable_gqa=False, attention_kwargs=None, *, backend=None, parallel_config=None):  # fmt: skip
-        """diffusers' ``dispatch_attention_fn`` signature, [B, S, H, D] tensors."""
-        _refuse_training_options(name, dropout_p, is_causal, enable_gqa)
+        """diffusers' ``dispatch_attention_fn`` signature, [B, S, H, D] tensors, called by ``processor``."""
+        _refuse_training_options(processor, dropout_p, is_causal, enable_gqa)
         if attn_mask is not None and attn_mask.ndim == 2:  # [B, Sk]: keys to attend, as diffusers reads it
             attn_mask = attn_mask[:, None, None, :]
-        text = self.text_tokens
+        site, text = processor._sdkiln_site, self.text_tokens
         if site.call == "dispatch":
             native = functools.partial(self.originals["dispatch"], backend=backend)
         else:
             native = functools.partial(_native_sdpa, self.originals["sdpa"])
         call = AttentionCall(
-            site, name, query, key, value, attn_mask, scale,
+            site, processor, query, key, value, attn_mask, scale,
             _span(site.query_text, query.shape[1], text), _span(site.key_text, key.shape[1], text),
             parallel_config, native, self.sequence, self.sparse,
         )  # fmt: skip
         return self.backend(call)
 
-    def sdpa(self, site, name: str, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
+    def sdpa(self, processor, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
              scale=None, enable_gqa=False):  # fmt: skip
-        """``F.scaled_dot_product_attention``'s signature, [B, H, S, D] tensors."""
+        """``F.scaled_dot_product_attention``'s signature, [B, H, S, D] tensors, called by ``processor``."""
         q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # views in the dispatch layout
         return self.dispatch(
-            site, name, q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa
+            processor, q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa
         ).transpose(1, 2)
 
 
@@ -120,38 +128,78 @@ def _native_sdpa(functional, q, k, v, attn_mask=None, scale=None):
     return out.transpose(1, 2)
 
 
-class _Functional:
-    """``torch.nn.functional`` with ``scaled_dot_product_attention`` replaced by one site's function."""
+class _Calling(threading.local):
+    processor: Any = None
+    """The routed processor whose ``__call__`` runs in this thread."""
 
-    def __init__(self, sdpa):
-        self.scaled_dot_product_attention = sdpa
+
+_CALLING = _Calling()
+
+
+def _dispatch_attention_fn(*args, **kwargs):
+    processor = _CALLING.processor
+    return processor._sdkiln_route.dispatch(processor, *args, **kwargs)
+
+
+class _Functional:
+    """``torch.nn.functional`` with ``scaled_dot_product_attention`` routed."""
+
+    @staticmethod
+    def scaled_dot_product_attention(*args, **kwargs):
+        processor = _CALLING.processor
+        return processor._sdkiln_route.sdpa(processor, *args, **kwargs)
 
     def __getattr__(self, name: str):
         return getattr(torch.nn.functional, name)
 
 
-def _routed_processor(processor: Any, site, name: str, route: AttentionRoute) -> Any:
-    """A copy of ``processor`` whose ``__call__`` is its class's, with the attention call rebound."""
-    cls = type(processor)
+_CALLEES = {"dispatch": ("dispatch_attention_fn", _dispatch_attention_fn), "sdpa": ("F", _Functional())}
+_ROUTED_CLASSES: dict[tuple[type, str], type] = {}
+
+
+def _routed_class(cls: type, kind: str, name: str) -> type:
+    """The routed class of processor class ``cls`` whose attention call is of ``kind`` (``AttentionSite.call``)."""
+    if (cls, kind) in _ROUTED_CLASSES:
+        return _ROUTED_CLASSES[cls, kind]
     call = cls.__call__
-    callee = _CALLEES[site.call]
+    callee, routed_callee = _CALLEES[kind]
     if not isinstance(call, types.FunctionType) or callee not in call.__code__.co_names:
         raise SdkilnError(
             f"{name}: {cls.__name__}.__call__ does not call {callee} itself in this diffusers version; "
             "the attention seam cannot route it (update the family's AttentionSite)"
         )
-    route.originals.setdefault(site.call, call.__globals__[callee])
-    bound = functools.partial(route.dispatch if site.call == "dispatch" else route.sdpa, site, name)
     namespace = dict(call.__globals__)
-    namespace[callee] = bound if site.call == "dispatch" else _Functional(bound)
+    namespace[callee] = routed_callee
     # Without a module name, torch.compile guards on this namespace itself rather than on the
     # diffusers module it was copied from (whose attention function is not the one called here).
     del namespace["__name__"]
-    rebound = types.FunctionType(call.__code__, namespace, call.__name__, call.__defaults__, call.__closure__)
+    # A code object of its own: Dynamo keeps what it compiles (and installs in the namespace) per code
+    # object, and diffusers' unrouted processors run the original one in diffusers' namespace.
+    rebound = types.FunctionType(
+        call.__code__.replace(), namespace, call.__name__, call.__defaults__, call.__closure__
+    )
     rebound.__kwdefaults__ = call.__kwdefaults__
-    routed_cls = type(f"Routed{cls.__name__}", (cls,), {"__call__": rebound, "__module__": __name__})
-    routed = object.__new__(routed_cls)
+
+    def __call__(self, *args, **kwargs):
+        _CALLING.processor = self
+        try:
+            return rebound(self, *args, **kwargs)
+        finally:
+            _CALLING.processor = None
+
+    __call__.__signature__ = inspect.signature(call)  # diffusers passes the kwargs its processor takes
+    routed = type(f"Routed{cls.__name__}", (cls,), {"__call__": __call__, "__module__": __name__})
+    _ROUTED_CLASSES[cls, kind] = routed
+    return routed
+
+
+def _routed_processor(processor: Any, site, name: str, route: AttentionRoute) -> Any:
+    """A copy of ``processor`` of its routed class, calling ``route`` as module ``name`` of ``site``."""
+    cls = _routed_class(type(processor), site.call, name)
+    route.originals.setdefault(site.call, type(processor).__call__.__globals__[_CALLEES[site.call][0]])
+    routed = object.__new__(cls)
     routed.__dict__.update(processor.__dict__)
+    routed._sdkiln_route, routed._sdkiln_site, routed._sdkiln_name = route, site, name
     return routed
 
 

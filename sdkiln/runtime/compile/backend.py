@@ -102,16 +102,22 @@ def _check_cuda_graphs(transformer: nn.Module, config: CompileConfig) -> None:
         )
 
 
-def repeated_blocks(transformer: nn.Module) -> list[nn.Module]:
+def repeated_blocks(transformer: nn.Module, block_lists: tuple[str, ...] = ()) -> list[nn.Module]:
     """The transformer's repeated blocks: instances of the classes diffusers lists in
-    ``_repeated_blocks``."""
+    ``_repeated_blocks``, or, for a class that lists none (SD3 in diffusers 0.42), the modules of
+    its block lists named by the family's spec (``block_lists``, ``ModelSpec.block_lists``' attrs)."""
     kinds = set(getattr(transformer, "_repeated_blocks", None) or ())
-    return [m for m in transformer.modules() if type(m).__name__ in kinds]
+    if kinds:
+        return [m for m in transformer.modules() if type(m).__name__ in kinds]
+    return [block for attr in block_lists for block in getattr(transformer, attr, ())]
 
 
-def compile_transformer(transformer: nn.Module, config: CompileConfig) -> nn.Module:
+def compile_transformer(
+    transformer: nn.Module, config: CompileConfig, block_lists: tuple[str, ...] = ()
+) -> nn.Module:
     """Compile ``transformer`` as ``config`` says; returns the module to call (the same module,
-    its blocks compiled in place, when regional). The backend is ``transformer._sdkiln_backend``
+    its blocks compiled in place, when regional: ``repeated_blocks``, with the family's
+    ``block_lists`` where diffusers names none). The backend is ``transformer._sdkiln_backend``
     (its match log) when it is sdkiln's."""
     _check_cuda_graphs(transformer, config)
     backend = Backend(config) if config.backend == "sdkiln" else config.backend
@@ -119,11 +125,11 @@ def compile_transformer(transformer: nn.Module, config: CompileConfig) -> nn.Mod
     if config.backend != "sdkiln":
         kwargs["mode"] = config.mode
     if config.regional:
-        blocks = repeated_blocks(transformer)
+        blocks = repeated_blocks(transformer, block_lists)
         if not blocks:
             raise SdkilnError(
-                f"{type(transformer).__name__} names no repeated blocks (_repeated_blocks) to compile "
-                "regionally; use CompileConfig(regional=False)"
+                f"{type(transformer).__name__} names no repeated blocks (_repeated_blocks, or the family's "
+                "block lists) to compile regionally; use CompileConfig(regional=False)"
             )
         for block in blocks:
             block.compile(**kwargs)
