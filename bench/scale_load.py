@@ -94,18 +94,10 @@ def measure(model_dir: Path, package: Path, recipe: str, log: Path, video: bool)
     row["package_bytes"] = scale.du(package)
     row["transformer_bytes"] = scale.du(package / "transformer")
     row["transformer_files"] = sorted(p.name for p in (package / "transformer").iterdir())
-    started = time.perf_counter()
-    done = subprocess.run(
-        [sys.executable, "-c", CHILD, str(package)],
-        capture_output=True,
-        text=True,
-        env=scale.child_env(),
-        cwd=ROOT,
-    )
-    row["load_wall_seconds"] = round(time.perf_counter() - started, 3)
-    if done.returncode != 0:
-        return row | {"status": "failed", "error_tail": done.stderr[-4000:]}
-    row |= json.loads(done.stdout.strip().splitlines()[-1])
+    loaded = load_child(package, "cpu")
+    if "error_tail" in loaded:
+        return row | {"status": "failed"} | loaded
+    row |= loaded
     size = row["package_bytes"]
     row["peak_ratio"] = round(row["peak_rss_bytes"] / size, 4)
     row["resident_ratio"] = round(row["resident_bytes"] / size, 4)
