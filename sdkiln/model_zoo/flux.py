@@ -2,9 +2,12 @@
 
 Only Linear layers inside ``block_lists`` are quantized, so everything outside the blocks
 (``x_embedder``, ``context_embedder``, ``time_text_embed``, ``norm_out``, ``proj_out``) stays in
-float without being listed. ``float_layers`` names the in-block layers that must also stay float:
-the adaLN modulation linears, whose outputs (shift, scale, gate) multiply every activation of the
-block, so their error is amplified rather than averaged out.
+float without being listed. ``weight_only_layers`` names the adaLN modulation linears, whose
+outputs (shift, scale, gate) multiply every activation of the block, so their error is amplified
+rather than averaged out: a step that quantizes activations keeps them float, a weight-only step
+(W8A16) takes them. They are 27% of FLUX.1-dev's transformer (3.2B of 11.9B parameters):
+``w8a8-dynamic+w8a16`` stores them int8 with float activations, for a transformer about half the
+bf16 one's size instead of 0.64 of it.
 
 Both block kinds are called with ``hidden_states`` and ``encoder_hidden_states`` and return
 ``(encoder_hidden_states, hidden_states)``; the single block concatenates the two streams inside
@@ -228,7 +231,8 @@ SPEC = ModelSpec(
             outputs=("encoder_hidden_states", "hidden_states"),
         ),
     ),
-    float_layers=(
+    float_layers=(),
+    weight_only_layers=(
         "transformer_blocks.*.norm1.linear",
         "transformer_blocks.*.norm1_context.linear",
         "single_transformer_blocks.*.norm.linear",

@@ -2,14 +2,15 @@
 
 Only Linear layers inside ``block_lists`` are quantized, so everything outside the blocks
 (``pos_embed``, ``context_embedder``, ``time_text_embed``, ``norm_out``, ``proj_out``) stays in
-float without being listed. ``float_layers`` names the in-block adaLN modulation linears, whose
-outputs (shift, scale, gate) multiply every activation of the block.
+float without being listed. ``weight_only_layers`` names the in-block adaLN modulation linears,
+whose outputs (shift, scale, gate) multiply every activation of the block: steps that quantize
+activations keep them float, weight-only steps (W8A16) take them.
 
 A ``JointTransformerBlock`` is called with ``hidden_states`` and ``encoder_hidden_states`` and
 returns ``(encoder_hidden_states, hidden_states)``. The last block is built with
 ``context_pre_only=True``: it reads the text stream but does not update it and returns ``None``
 in the ``encoder_hidden_states`` slot, and its ``norm1_context`` is an ``AdaLayerNormContinuous``
-(whose modulation Linear is also named ``linear``, so the same pattern keeps it float). Code
+(whose modulation Linear is also named ``linear``, so the same pattern names it). Code
 that walks the blocks must accept that ``None``. The pipeline exposes its latents
 ``(B, C, H, W)`` to ``callback_on_step_end`` as ``"latents"``.
 
@@ -185,7 +186,8 @@ SPEC = ModelSpec(
             outputs=("encoder_hidden_states", "hidden_states"),
         ),
     ),
-    float_layers=(
+    float_layers=(),
+    weight_only_layers=(
         "transformer_blocks.*.norm1.linear",
         "transformer_blocks.*.norm1_context.linear",
     ),

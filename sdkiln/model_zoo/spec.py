@@ -197,6 +197,10 @@ class ModelSpec:
     """Returns the family's default pipeline (tiny random weights, or the shipped embedded model)."""
     guidance_arg: str = "guidance_scale"
     """The pipeline call argument that sets guidance (the resolved variant's)."""
+    weight_only_layers: tuple[str, ...] = ()
+    """fnmatch patterns of in-block layers whose inputs must stay float (adaLN modulation linears,
+    whose outputs scale every activation of a block): a step that quantizes activations keeps them
+    in float; a weight-only step (W8A16, W4A16) takes them like any layer."""
     cfg_calls: tuple[str, ...] = ()
     """When the pipeline runs the unconditional branch as a second transformer call per step: the
     first argument above 1 and every other one set (FLUX: ``("true_cfg_scale", "negative_prompt")``,
@@ -284,8 +288,10 @@ class ModelSpec:
         """The first attention site whose pattern matches module ``name``; None: not an attention site."""
         return next((s for s in self.attention if fnmatch.fnmatchcase(name, s.modules)), None)
 
-    def is_float_layer(self, name: str) -> bool:
-        return any(fnmatch.fnmatchcase(name, pattern) for pattern in self.float_layers)
+    def is_float_layer(self, name: str, weight_only: bool = False) -> bool:
+        """Whether a step keeps layer ``name`` in float; ``weight_only``: the step quantizes weights only."""
+        patterns = self.float_layers if weight_only else (*self.float_layers, *self.weight_only_layers)
+        return any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns)
 
     def block_prefixes(self) -> tuple[str, ...]:
         return tuple(f"{bl.attr}." for bl in self.block_lists)

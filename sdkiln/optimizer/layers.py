@@ -2,7 +2,7 @@
 helper every quantization transform uses.
 
 A step takes the float Linears inside the spec's transformer blocks, minus the family's float list
-and the step's ``exclude`` patterns. A layer that SmoothQuant wrapped in ``SmoothedLinear`` (an
+(and, for a step that quantizes activations, its weight-only list) and the step's ``exclude`` patterns. A layer that SmoothQuant wrapped in ``SmoothedLinear`` (an
 input multiplier in front of it) counts as the layer itself while its inner ``linear`` is still
 float: its manifest name stays the original Linear's (the runtime finds a Linear there), patterns
 match that name, and the module that is observed and quantized is ``<layer>.linear``. Layers an
@@ -35,11 +35,16 @@ class Target:
 
 
 def select_layers(
-    ctx: TransformContext, exclude: tuple[str, ...] = (), *, required_by: str | None = None
+    ctx: TransformContext,
+    exclude: tuple[str, ...] = (),
+    *,
+    required_by: str | None = None,
+    weight_only: bool = False,
 ) -> tuple[list[Target], list[str]]:
     """(float layers to quantize, layer names kept in float). A smoothed layer may not stay float:
     its ``div`` and ``linear`` have no runtime module without a quantization scheme. With
-    ``required_by`` (a recipe step kind), finding no layer is that step's error."""
+    ``required_by`` (a recipe step kind), finding no layer is that step's error. A ``weight_only``
+    step takes the family's ``weight_only_layers`` too (``ModelSpec``)."""
     prefixes = ctx.spec.block_prefixes()
     chosen, kept, inner = [], [], set()
     for name, module in ctx.transformer.named_modules():
@@ -52,7 +57,7 @@ def select_layers(
                 continue
         elif not isinstance(module, nn.Linear):
             continue
-        if ctx.spec.is_float_layer(name) or any(fnmatch.fnmatchcase(name, p) for p in exclude):
+        if ctx.spec.is_float_layer(name, weight_only) or any(fnmatch.fnmatchcase(name, p) for p in exclude):
             if smoothed:
                 raise ValueError(
                     f"{name} was smoothed with an input multiplier but this step keeps it in float; "

@@ -78,12 +78,26 @@ def resolve_recipe(recipe: str | RecipeConfig, spec=None) -> RecipeConfig:
     if len(set(kinds)) != len(kinds):
         raise RecipeError(f"recipe {recipe!r} applies the same recipe step twice: {kinds}")
     quantizers = [s.kind for s in steps if s.quantizes]
-    if len(quantizers) > 1:
+    if len(quantizers) > 1 and not _then_weight_only(quantizers):
         raise RecipeError(
             f"recipe {recipe!r} names {len(quantizers)} quantization schemes ({', '.join(quantizers)}); each would "
-            "take every layer: name one, use quant-auto to mix them per layer, or split layers in a recipe file with 'exclude'"
+            "take every layer: name one (a weight-only scheme may follow one that quantizes activations: it "
+            "takes the family's weight-only layers, e.g. w8a8-dynamic+w8a16), use quant-auto to mix them per "
+            "layer, or split layers in a recipe file with 'exclude'"
         )
     return RecipeConfig(name=recipe, steps=sorted(steps, key=lambda s: s.order))
+
+
+def _then_weight_only(kinds: list[str]) -> bool:
+    """Two schemes, the first quantizing activations and the second weights only: the second takes
+    what the first keeps float for that reason, the family's ``weight_only_layers`` (FLUX's adaLN
+    modulations), and nothing else is left to it."""
+    from sdkiln.runtime.quant import by_recipe_kind
+
+    classes = by_recipe_kind()
+    if len(kinds) != 2 or not all(k in classes for k in kinds):
+        return False
+    return classes[kinds[0]].quantizes_activations and not classes[kinds[1]].quantizes_activations
 
 
 def _no_alias_loader() -> type:

@@ -101,9 +101,9 @@ def test_block_lists_and_float_layers_resolve(spec, pipe):
         assert len(blocks) >= 2, block_list.attr
 
     linears = {name: m for name, m in transformer.named_modules() if isinstance(m, nn.Linear)}
-    for pattern in spec.float_layers:
+    for pattern in (*spec.float_layers, *spec.weight_only_layers):
         matched = [name for name in linears if fnmatch.fnmatchcase(name, pattern)]
-        assert matched, f"float_layers pattern {pattern!r} matches no Linear"
+        assert matched, f"float_layers / weight_only_layers pattern {pattern!r} matches no Linear"
         assert all(name.startswith(spec.block_prefixes()) for name in matched), pattern
 
     in_blocks = [m for name, m in linears.items() if name.startswith(spec.block_prefixes())]

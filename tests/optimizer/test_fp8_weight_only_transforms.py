@@ -33,17 +33,29 @@ def test_named_recipes():
     ids=["fp8_dynamic", "w8a16", "w4a16"],
 )
 def test_swaps_every_block_linear_but_the_float_list(config, cls, entry):
+    """A step that quantizes activations keeps the adaLN modulations (``weight_only_layers``) float;
+    a weight-only step takes them (W4A16 where the group size divides their inputs)."""
     ctx = context("flux-tiny")
     block_linears = [
         n
         for n, m in ctx.transformer.named_modules()
         if isinstance(m, nn.Linear) and n.startswith(ctx.spec.block_prefixes())
     ]
+    modulations = [
+        n for n in block_linears if ctx.spec.is_float_layer(n) and not ctx.spec.is_float_layer(n, True)
+    ]
+    assert modulations  # FLUX's adaLN linears
     result = apply_transform(ctx, config)
     record = result.record
-    assert record["quantized"] and record["float"]
+    weight_only = not cls.quantizes_activations
+    assert record["quantized"]
     assert sorted(record["quantized"] + record["float"]) == sorted(block_linears)
-    assert all(ctx.spec.is_float_layer(n) for n in record["float"])
+    not_applicable = record.get("not_applicable", {})
+    assert all(ctx.spec.is_float_layer(n, weight_only) or n in not_applicable for n in record["float"])
+    if weight_only:
+        assert set(modulations) - set(not_applicable) <= set(record["quantized"])
+    else:
+        assert set(modulations) <= set(record["float"])
     assert result.modules == {n: entry for n in record["quantized"]}
     model = ctx.transformer
     assert all(type(model.get_submodule(n)) is cls for n in record["quantized"])
@@ -94,3 +106,21 @@ def test_a_step_with_nothing_to_quantize_is_an_error():
     ):
         with pytest.raises(ValueError, match=f"{config.kind} found no float Linear layer"):
             apply_transform(ctx, config)
+
+
+def test_w8a8_then_w8a16_gives_the_modulations_int8_weights_and_float_activations(
+    tmp_path, assert_same_outputs
+):
+    """``w8a8-dynamic+w8a16``: the first step keeps FLUX's adaLN modulations float, the second takes
+    exactly them; the package loads and generates what the optimized pipeline does."""
+    import sdkiln
+
+    result = sdkiln.optimize(
+        "flux-tiny", "w8a8-dynamic+w8a16", tmp_path / "pkg", eval_samples=0, progress=False
+    )
+    spec = result.spec
+    schemes = {n: e["scheme"] for n, e in result.manifest["modules"].items()}
+    modulations = {n for n in schemes if spec.is_float_layer(n) and not spec.is_float_layer(n, True)}
+    assert modulations and all(schemes[n] == "W8A16" for n in modulations)
+    assert {s for n, s in schemes.items() if n not in modulations} == {"W8A8_DYNAMIC"}
+    assert_same_outputs(result, sdkiln.load(result.package, device="cpu"))

@@ -52,7 +52,8 @@ SPEC = ModelSpec(
         BlockList("transformer_blocks", _STREAMS_IN, _STREAMS_OUT),
         BlockList("single_transformer_blocks", _STREAMS_IN, _STREAMS_OUT),
     ),
-    float_layers=(
+    float_layers=(),
+    weight_only_layers=(
         "transformer_blocks.*.norm1.linear",
         "transformer_blocks.*.norm1_context.linear",
         "single_transformer_blocks.*.norm.linear",

@@ -138,12 +138,13 @@ def candidate_modules(
 @register_transform(QuantAutoConfig)
 def apply_quant_auto(ctx: TransformContext, config: QuantAutoConfig) -> TransformResult:
     model = ctx.transformer
-    targets, kept = select_layers(ctx, config.exclude, required_by=config.kind)
+    order = (config.scheme, *config.fallbacks)
+    classes = [by_recipe_kind()[kind] for kind in order]
+    weight_only = not any(cls.quantizes_activations for cls in classes)  # then it takes adaLN layers too
+    targets, kept = select_layers(ctx, config.exclude, required_by=config.kind, weight_only=weight_only)
     if any(t.smoothed for t in targets):
         raise ValueError("quant_auto does not take smoothed layers; smoothquant prepares one int8 scheme")
     layers = [t.layer for t in targets]
-    order = (config.scheme, *config.fallbacks)
-    classes = [by_recipe_kind()[kind] for kind in order]
     ranges, range_record, files = {}, None, {}
     if any(cls.needs_ranges for cls in classes):
         ranges, range_record = calibrate(ctx, layers, config.calib_samples)

@@ -49,7 +49,8 @@ def _build(cls, model, target: Target, params, not_applicable: dict[str, str]):
 def apply_weight_scheme(ctx: TransformContext, config: QuantStep) -> TransformResult:
     cls = by_recipe_kind()[config.kind]
     model, params = ctx.transformer, config.module_params()
-    targets, kept = select_layers(ctx, config.exclude, required_by=config.kind)
+    weight_only = not cls.quantizes_activations
+    targets, kept = select_layers(ctx, config.exclude, required_by=config.kind, weight_only=weight_only)
     built, not_applicable, files, calibration, ratios = {}, {}, {}, None, {}
     gptq = getattr(config, "weight_rounding", "nearest") == "gptq"
     if gptq:
@@ -111,7 +112,8 @@ def plan_weight_scheme(ctx: TransformContext, config: QuantStep) -> list[Phase]:
     """GPTQ's calibration passes, one per Hessian group; nearest rounding runs no forward."""
     if getattr(config, "weight_rounding", "nearest") != "gptq":
         return []
-    targets, _ = select_layers(ctx, config.exclude, required_by=config.kind)
+    weight_only = not by_recipe_kind()[config.kind].quantizes_activations
+    targets, _ = select_layers(ctx, config.exclude, required_by=config.kind, weight_only=weight_only)
     passes = gptq_passes(ctx, config, [t.linear for t in targets])
     steps = loop_steps(ctx, config.calib_samples)
     name = f"gptq hessians, {passes} group{'s' if passes > 1 else ''}"

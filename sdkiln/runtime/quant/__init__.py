@@ -67,6 +67,8 @@ class QuantLinear(nn.Module):
     torchao_config: ClassVar[str | None] = None
     """The torchao config class diffusers' torchao backend represents this scheme with, if any
     (``sdkiln export-diffusers``)."""
+    quantizes_activations: ClassVar[bool] = True
+    """False for weight-only schemes, which take a family's ``weight_only_layers`` too."""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

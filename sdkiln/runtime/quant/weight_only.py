@@ -32,6 +32,7 @@ def _symmetric(groups: torch.Tensor, qmax: int) -> tuple[torch.Tensor, torch.Ten
 
 class _WeightOnlyLinear(QuantLinear):
     group_size = 0
+    quantizes_activations = False
 
     def _init_common(
         self, in_features: int, out_features: int, bias: bool, dtype, device, groups: int
