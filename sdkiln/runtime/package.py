@@ -174,20 +174,22 @@ class VerifiedStream:
         self.position = 0
 
     def read(self, n: int) -> bytes:
-        data = self.fh.read(n)
-        if len(data) != n:
-            raise PackageError(f"{self.rel}: changed size while it was read (being rewritten?)")
-        self.hash.update(data)
-        self.position += n
-        return data
+        data = bytearray(n)
+        self.readinto(data)
+        return bytes(data)
 
     def readinto(self, buffer) -> None:
-        """Fill ``buffer`` (a writable buffer of bytes) from the file, in chunks."""
+        """Fill ``buffer`` (a writable buffer of bytes) from the file, in chunks; a file that ends
+        first is one that changed size."""
         view = memoryview(buffer).cast("B")
         for start in range(0, len(view), HASH_CHUNK):
             chunk = view[start : start + HASH_CHUNK]
-            if self.fh.readinto(chunk) != len(chunk):
-                raise PackageError(f"{self.rel}: changed size while it was read (being rewritten?)")
+            filled = 0
+            while filled < len(chunk):  # a raw read may return less than asked: read on
+                got = self.fh.readinto(chunk[filled:])
+                if not got:
+                    raise PackageError(f"{self.rel}: changed size while it was read (being rewritten?)")
+                filled += got
             self.hash.update(chunk)
         self.position += len(view)
 
