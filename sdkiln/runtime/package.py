@@ -193,12 +193,15 @@ class VerifiedStream:
             self.hash.update(chunk)
         self.position += len(view)
 
-    def drain(self) -> None:
-        """Hash the rest of the file without keeping it."""
+    def drain(self, sink: Any = None) -> None:
+        """Hash the rest of the file, a chunk at a time, handing each to ``sink`` (a writable file)
+        when given; nothing is kept."""
         buffer = bytearray(min(HASH_CHUNK, max(self.size - self.position, 0)))
         while self.position < self.size:
-            n = min(len(buffer), self.size - self.position)
-            self.readinto(memoryview(buffer)[:n])
+            chunk = memoryview(buffer)[: min(len(buffer), self.size - self.position)]
+            self.readinto(chunk)
+            if sink is not None:
+                sink.write(chunk)
 
     def finish(self) -> None:
         if self.position != self.size or self.fh.read(1):
@@ -292,11 +295,7 @@ class Package:
             dest.write_bytes(self.blobs[rel])
             return
         with self.open(rel) as stream, open(dest, "wb") as out:
-            buffer = bytearray(min(HASH_CHUNK, stream.size))
-            while stream.position < stream.size:
-                n = min(len(buffer), stream.size - stream.position)
-                stream.readinto(memoryview(buffer)[:n])
-                out.write(memoryview(buffer)[:n])
+            stream.drain(out)
             stream.finish()
         self.verified.add(rel)
 
