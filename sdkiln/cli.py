@@ -213,6 +213,41 @@ def cmd_run(args) -> int:
             shutdown()
 
 
+class _OptimizeParser(_Parser):
+    """``optimize --help`` ends with the families and their variants; reading the specs imports
+    diffusers (the embedded model's), so it happens only when the help is shown."""
+
+    def format_help(self) -> str:
+        from sdkiln.model_zoo import families_help
+
+        self.epilog = (
+            "model families (a diffusers directory is recognised by its pipeline class, its variant by its "
+            "transformer's width; docs/families.md says what each can do):\n" + families_help()
+        )
+        return super().format_help()
+
+
+def _image_input(path: str | None, model: dict) -> dict:
+    """``run --image``: the conditioning image under the family's pipeline argument; one line when the
+    family takes none, or needs one and none was given."""
+    from sdkiln.model_zoo import get_spec
+
+    spec = get_spec(model["family"], model.get("variant"))
+    if path is None:
+        if spec.image_required:
+            raise SdkilnError(f"{spec.family} generates from an image: give --image PATH")
+        return {}
+    if spec.image_arg is None:
+        raise SdkilnError(f"--image: {spec.family} takes no conditioning image (text only)")
+    from PIL import Image
+
+    try:
+        with Image.open(path) as image:
+            return {spec.image_arg: image.convert("RGB")}
+    except (OSError, ValueError, Image.DecompressionBombError) as exc:
+        raise SdkilnError(f"--image {path}: not a readable image ({exc})") from None
+
+
 def _generate(args, pipe, prompts: list[str], out_path: Path, parallel) -> int:
     """``sdkiln run``'s images from a loaded pipeline; under a parallel layout every rank denoises
     and rank 0 alone decodes, writes and prints."""
@@ -231,6 +266,10 @@ def _generate(args, pipe, prompts: list[str], out_path: Path, parallel) -> int:
     for key in ("height", "width"):
         if getattr(args, key) is not None:
             kwargs[key] = getattr(args, key)
+    from sdkiln.model_zoo.spec import with_area
+
+    with_area(kwargs)
+    kwargs.update(_image_input(args.image, pipe.sdkiln_manifest["model"]))
     if parallel is not None and parallel.cfg == 2 and not kwargs.get(call["guidance_arg"], 0) > 1:
         raise SdkilnError(
             f"--cfg-parallel runs the two guidance branches on two ranks; this run's {call['guidance_arg']} is "
@@ -364,12 +403,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--debug", action="store_true", help="show full tracebacks")
     sub = p.add_subparsers(dest="command", required=True)
 
-    o = sub.add_parser("optimize", help="apply a recipe to a model and write a package")
+    from sdkiln.model_zoo import spec_names
+
+    o = sub.add_parser(
+        "optimize",
+        help="apply a recipe to a model and write a package",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    o.__class__ = _OptimizeParser  # its epilog lists the families, read only when help is shown
     o.add_argument(
         "model",
         nargs="?",
         default=None,
-        help="zoo name (fmnist-flux, flux-tiny, sd3-tiny, wan-tiny), a local diffusers directory or "
+        help=f"zoo name ({', '.join(spec_names())}), a local diffusers directory or "
         "modelscope://ORG/NAME; default: the embedded model",
     )
     o.add_argument(
@@ -456,6 +502,11 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--steps", type=STEPS, default=None)
     r.add_argument("--guidance", type=GUIDANCE, default=None)
     r.add_argument("--seed", type=SEED, default=0, help="seed of the first image; image i uses seed + i")
+    r.add_argument(
+        "--image",
+        default=None,
+        help="conditioning image for image-to-video and image-editing families (Wan I2V, FLUX.1-Kontext)",
+    )
     r.add_argument("--height", type=SIZE, default=None)
     r.add_argument("--width", type=SIZE, default=None)
     r.add_argument(

@@ -63,8 +63,9 @@ def assert_same_outputs():
     def check(result, loaded) -> None:
         call = result.spec.call_kwargs()
         prompts, seeds = list(result.spec.eval_prompts[:2]), [3, 4]
-        img_mem, lat_mem = generate(result.pipeline, call, prompts, seeds)
-        img_pkg, lat_pkg = generate(loaded, call, prompts, seeds)
+        inputs = result.spec.condition(call)
+        img_mem, lat_mem = generate(result.pipeline, call, prompts, seeds, inputs=inputs)
+        img_pkg, lat_pkg = generate(loaded, call, prompts, seeds, inputs=inputs)
         assert torch.equal(lat_mem, lat_pkg)
         assert np.array_equal(img_mem, img_pkg)
 

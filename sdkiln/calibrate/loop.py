@@ -93,7 +93,13 @@ class PromptLoop:
             list(zip(prompts, seeds, strict=True)), desc="calibrate", unit="prompt", leave=False
         ):
             generator = torch.Generator("cpu").manual_seed(seed)
-            pipeline(prompt=prompt, generator=generator, **call, **(extra if capture_latents else {}))
+            pipeline(
+                prompt=prompt,
+                generator=generator,
+                **call,
+                **self.spec.condition(call),
+                **(extra if capture_latents else {}),
+            )
             if capture_latents:
                 finals.append(last.pop("latents").float().cpu())
         return torch.cat(finals) if capture_latents else None

@@ -32,18 +32,24 @@ class _Stop(Exception):
 
 
 class _ReplayStub(ModelHook):
-    """Before step ``start`` the transformer returns zeros without computing anything."""
+    """Before step ``start`` the transformer returns zeros without computing anything. The zeros have
+    the output's shape, which is the model's to say (Wan image-to-video reads 36 channels and returns
+    16): ``shapes`` maps an input's shape to it, learnt from one real call per input shape."""
 
-    def __init__(self, tracker, start: int):
+    def __init__(self, tracker, start: int, shapes: dict):
         super().__init__()
-        self.tracker, self.start = tracker, start
+        self.tracker, self.start, self.shapes = tracker, start, shapes
 
     def new_forward(self, module, *args, **kwargs):
         self.tracker.update()
         if self.tracker.step >= self.start:
             return self.fn_ref.original_forward(*args, **kwargs)
         hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-        zeros = torch.zeros_like(hidden)
+        key = tuple(hidden.shape)
+        if key not in self.shapes:
+            out = self.fn_ref.original_forward(*args, **kwargs)
+            self.shapes[key] = tuple((out[0] if isinstance(out, tuple) else out.sample).shape)
+        zeros = hidden.new_zeros(self.shapes[key])
         return (
             (zeros,) if kwargs.get("return_dict", True) is False else Transformer2DModelOutput(sample=zeros)
         )
@@ -60,6 +66,7 @@ class Trajectories:
         self.call = {**call, "output_type": "latent"}
         self.num_steps = int(self.call["num_inference_steps"])
         self._reference: list[torch.Tensor] | None = None
+        self._output_shapes: dict[tuple, tuple] = {}
 
     @property
     def transformer(self):
@@ -82,6 +89,7 @@ class Trajectories:
                 callback_on_step_end=callback,
                 callback_on_step_end_tensor_inputs=["latents"],
                 **call,
+                **self.spec.condition(call),
             )
         except _Stop:
             pass
@@ -140,7 +148,7 @@ class Trajectories:
         had_tracker = step_tracker(self.transformer) is not None
         tracker = attach_step_tracker(self.pipeline, self.spec.transformer_attr)
         registry = HookRegistry.check_if_exists_or_initialize(self.transformer)
-        registry.register_hook(_ReplayStub(tracker, start), STUB_HOOK)
+        registry.register_hook(_ReplayStub(tracker, start, self._output_shapes), STUB_HOOK)
         try:
             self._call(callback)
         finally:

@@ -34,6 +34,7 @@ from sdkiln.configs import QuantStep, RecipeConfig, SmoothQuantConfig
 from sdkiln.errors import PackageError, RecipeError
 from sdkiln.export.ascend_schemes import FLOAT_TAG, NEEDS_DEPLOY_DTYPE, AscendLayer, ascend_layer_tensors
 from sdkiln.export.atomic import atomic_directory
+from sdkiln.model_zoo import get_spec
 from sdkiln.runtime.components import component_tensors
 from sdkiln.runtime.manifest_schema import short
 from sdkiln.runtime.package import open_package
@@ -255,6 +256,7 @@ def export_ascend(
     """
     pkg = open_package(package)
     manifest = pkg.manifest
+    get_spec(manifest["model"]["family"], manifest["model"].get("variant")).refuse("ascend")
     attr = manifest["model"]["transformer_attr"]
     tensors = component_tensors(pkg, attr)
     files = ascend_files(manifest, tensors, _deploy_dtype(manifest["model"].get("dtype"), dtype))

@@ -32,6 +32,7 @@ from sdkiln.errors import SdkilnError
 from sdkiln.export.atomic import atomic_directory, check_export_target
 from sdkiln.export.onnx_ops import MIN_OPSET, translations
 from sdkiln.extras import require
+from sdkiln.model_zoo import get_spec
 from sdkiln.runtime.package import open_package
 from sdkiln.runtime.quant import scheme_classes
 
@@ -136,6 +137,7 @@ def capture_inputs(pipe, height: int | None, width: int | None) -> dict[str, tor
                 raise SdkilnError("ONNX export: the transformer was called with positional inputs")
             captured.update(kwargs)
 
+    info = pipe.sdkiln_manifest["model"]
     kwargs = dict(pipe.sdkiln_manifest["call"]["defaults"])
     kwargs.update(num_inference_steps=1, output_type="latent")
     if height is not None:
@@ -146,7 +148,10 @@ def capture_inputs(pipe, height: int | None, width: int | None) -> dict[str, tor
     try:
         with torch.inference_mode():
             pipe(
-                prompt=["a photo of a cat", "a red car"], generator=torch.Generator().manual_seed(0), **kwargs
+                prompt=["a photo of a cat", "a red car"],
+                generator=torch.Generator().manual_seed(0),
+                **kwargs,
+                **get_spec(info["family"], info.get("variant")).condition(kwargs),
             )
     finally:
         handle.remove()
@@ -205,6 +210,7 @@ def export_onnx(
     target = Path(out_dir)
     _check_out(target, force)
     pkg = open_package(package)
+    get_spec(pkg.manifest["model"]["family"], pkg.manifest["model"].get("variant")).refuse("onnx")
     schemes = _check_package(pkg.manifest)
     opset = _check_opset(opset, bool(schemes))
     pipe = load(pkg.root, "cpu", digest=pkg.digest)  # the directory verified above

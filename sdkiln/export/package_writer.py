@@ -81,7 +81,10 @@ def _write_components(
             raise PackageError(
                 f"component {name!r} ({type(component).__name__}) cannot be saved without pickle"
             )
-        component.save_pretrained(tmp / name)
+        # a tokenizer's chat template (FLUX.2, Qwen-Image) stays inside its tokenizer_config.json, a
+        # file the loader reads under its strict JSON limits, rather than a chat_template.jinja beside it
+        chat = {"save_jinja_files": False} if getattr(component, "chat_template", None) is not None else {}
+        component.save_pretrained(tmp / name, **chat)
     transformer = getattr(pipeline, transformer_attr)
     transformer.save_config(tmp / transformer_attr)
     planned, extra = transformer_tensors(transformer, dtype)

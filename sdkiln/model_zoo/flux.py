@@ -48,6 +48,8 @@ if TYPE_CHECKING:
 _SEED = 0
 _TEXT_DIM = 32
 _T5_MAX_LENGTH = 16
+TINY_TEXT_DIM = _TEXT_DIM
+TINY_T5_MAX_LENGTH = _T5_MAX_LENGTH
 
 
 def tiny() -> FluxPipeline:
@@ -56,11 +58,19 @@ def tiny() -> FluxPipeline:
     Transformer: 2 double + 2 single blocks, width 128 (4 heads of 32), so every block Linear has
     in/out features that are multiples of 16 and int8 weights plus scales weigh about 0.26x fp32. The VAE has one 2x downsample: a 32x32 image is a
     16x16x16 latent, packed into 8x8 = 64 image tokens.
+    """
+    from diffusers import FluxPipeline
+
+    return FluxPipeline(**tiny_components(guidance_embeds=False))
+
+
+def tiny_components(guidance_embeds: bool) -> dict:
+    """The components of :func:`tiny` (and of FLUX.1-Kontext's test build, with ``guidance_embeds``).
 
     The diffusers and transformers imports live here so that reading the spec costs none of them.
     """
     import torch
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
 
     from sdkiln.model_zoo import tiny_text
 
@@ -75,7 +85,7 @@ def tiny() -> FluxPipeline:
             num_attention_heads=4,
             joint_attention_dim=_TEXT_DIM,
             pooled_projection_dim=_TEXT_DIM,
-            guidance_embeds=False,
+            guidance_embeds=guidance_embeds,
             axes_dims_rope=(8, 12, 12),
         ).eval()
         vae = AutoencoderKL(
@@ -103,7 +113,7 @@ def tiny() -> FluxPipeline:
         base_image_seq_len=256,
         max_image_seq_len=4096,
     )
-    return FluxPipeline(
+    return dict(
         scheduler=scheduler,
         vae=vae,
         text_encoder=text_encoder,
@@ -153,7 +163,7 @@ FLUX_PARALLEL = ParallelPlan(
     gathers=(SequenceGather("proj_out", 1, 3),),
 )
 
-_REAL_WIDTH = {
+FLUX_REAL_WIDTH = {
     "in_channels": 64,
     "num_attention_heads": 24,
     "attention_head_dim": 128,
@@ -164,7 +174,7 @@ FLUX_VARIANTS = (
     Variant(
         "FLUX.1-dev",
         "guidance-distilled FLUX.1 (black-forest-labs/FLUX.1-dev)",
-        match={**_REAL_WIDTH, "guidance_embeds": True},
+        match={**FLUX_REAL_WIDTH, "guidance_embeds": True},
         call_defaults={
             "num_inference_steps": 28,
             "guidance_scale": 3.5,
@@ -177,7 +187,7 @@ FLUX_VARIANTS = (
     Variant(
         "FLUX.1-schnell",
         "timestep-distilled FLUX.1 (black-forest-labs/FLUX.1-schnell)",
-        match={**_REAL_WIDTH, "guidance_embeds": False},
+        match={**FLUX_REAL_WIDTH, "guidance_embeds": False},
         call_defaults={
             "num_inference_steps": 4,
             "guidance_scale": 0.0,

@@ -197,5 +197,12 @@ SPEC = ModelSpec(
     calibration_prompts=("a photo of a dog", "a city skyline at night", "a watercolor of a lighthouse"),
     # JointAttnProcessor2_0 calls F.scaled_dot_product_attention on [B, H, S, D], image tokens first
     attention=(AttentionSite("transformer_blocks.*.attn", "JointAttnProcessor2_0", "sdpa", "last", "last"),),
+    refusals={
+        "ulysses": "no sequence-parallel plan yet: SD3's pipeline batches both guidance branches in one call "
+        "and its transformer has no diffusers _cp_plan to follow; it runs with CFG parallel",
+        "ring": "no sequence-parallel plan yet (see ulysses)",
+        "sparse": "no token grid: SD3's patchified latents carry no position ids, and its joint attention "
+        "at 1024x1024 (4096 tokens) is a small share of a step",
+    },
     variants=SD3_VARIANTS,
 ).resolve("tiny")

@@ -59,6 +59,10 @@ class SmoothFold:
 
 TEXT_PLACES = ("none", "first", "last", "all")
 
+CAPABILITIES = ("quant", "cache", "sparse", "cfg-parallel", "ulysses", "ring", "compile", "ascend", "onnx")
+"""What a family can be put through; ``ModelSpec.refusals`` names those it cannot, each with its reason
+(docs/families.md is the table, tests/families the suite that checks both the capabilities and the refusals)."""
+
 
 @dataclass(frozen=True)
 class AttentionSite:
@@ -145,6 +149,29 @@ class ParallelPlan:
     image: str = "hidden_states"
 
 
+def with_area(call: dict[str, Any]) -> dict[str, Any]:
+    """``call`` with its ``max_area``, where it has one, following its height and width: FLUX.1-Kontext's
+    pipeline scales its output to ``max_area`` pixels whatever size it is asked for."""
+    if "max_area" in call and "height" in call and "width" in call:
+        call["max_area"] = int(call["height"]) * int(call["width"])
+    return call
+
+
+def calibration_image(height: int, width: int):
+    """A fixed RGB picture (PIL) of ``height`` x ``width``: smooth colour gradients with a few discs, the
+    same bits on every machine, for calibrating and evaluating image-conditioned families offline."""
+    import numpy as np
+    from PIL import Image
+
+    y, x = np.mgrid[0:height, 0:width].astype(np.float32)
+    y, x = y / max(height - 1, 1), x / max(width - 1, 1)
+    rgb = np.stack([x, y, 1 - (x + y) / 2], axis=-1)
+    for cy, cx, r, colour in ((0.3, 0.3, 0.18, (0.9, 0.2, 0.1)), (0.65, 0.7, 0.22, (0.1, 0.5, 0.9))):
+        inside = (y - cy) ** 2 + (x - cx) ** 2 < r**2
+        rgb[inside] = colour
+    return Image.fromarray((rgb * 255).round().astype(np.uint8), "RGB")
+
+
 def _plain(value: Any) -> Any:
     """``value`` as JSON reads it back: a config saved with tuples compares equal to its config.json."""
     if isinstance(value, (tuple, list)):
@@ -172,6 +199,8 @@ class Variant:
     call_defaults: dict[str, Any]
     guidance_arg: str = "guidance_scale"
     sparse_block_size: int = 64
+    size_multiple: int | None = None
+    """Height and width multiple when not the family's (Wan2.2 TI2V-5B: its VAE's 16 times patch 2)."""
 
     def matches(self, config: Mapping[str, Any]) -> bool:
         return all(_plain(config.get(key)) == _plain(value) for key, value in self.match.items())
@@ -210,7 +239,10 @@ class ModelSpec:
     """Keyword arguments for a pipeline call: steps, guidance, resolution, anything family-specific
     (the resolved variant's)."""
     size_multiple: int = 16
-    """Height and width must be multiples of this (the VAE's downscale times the patch size)."""
+    """Height and width must be multiples of this (the VAE's downscale times the patch size), unless
+    the variant says otherwise (``size_step``)."""
+    variant_size_multiple: int | None = None
+    """The resolved variant's ``Variant.size_multiple``."""
     frame_step: int | None = None
     """A video family's frame counts are ``frame_step * k + 1`` (the VAE's temporal downscale)."""
     max_text_tokens: int = 512
@@ -238,9 +270,36 @@ class ModelSpec:
     """The models of the family sdkiln recognises, told apart by transformer width (``detect``)."""
     variant: str = ""
     """The variant this spec is resolved to: its call defaults, guidance argument and block size are the spec's."""
+    image_arg: str | None = None
+    """The pipeline argument that takes a conditioning image (image-to-video, image editing); None: the
+    family conditions on text alone. Offline calibration and evaluation pass ``condition``'s image there;
+    ``sdkiln run --image`` passes the user's."""
+    condition_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Pipeline arguments that go with ``condition``'s image offline (FLUX.1-Kontext's
+    ``_auto_resize=False``: calibrate at the call's size, not at the nearest trained resolution)."""
+    image_required: bool = False
+    """Whether the pipeline refuses to run without its conditioning image (Wan image-to-video), rather
+    than generating from text alone (FLUX.1-Kontext)."""
+    refusals: dict[str, str] = field(default_factory=dict)
+    """Capabilities (``CAPABILITIES``) this family refuses, each with its reason: asking for one is the
+    one-line ``ModelError`` of ``refuse``, raised where the capability starts."""
     unsupported_layout: dict[str, str] = field(default_factory=dict)
     """model_index.json entries that, set, mean a layout sdkiln does not run yet, each with the reason
     (Wan2.2's second expert ``transformer_2``)."""
+
+    def __post_init__(self) -> None:
+        unknown = set(self.refusals) - set(CAPABILITIES)
+        if unknown:
+            raise ValueError(
+                f"{self.family}: refusals name unknown capabilities {sorted(unknown)} ({CAPABILITIES})"
+            )
+
+    def refuse(self, capability: str) -> None:
+        """The one-line ModelError for a capability this family refuses; nothing for one it has."""
+        if capability not in CAPABILITIES:
+            raise ValueError(f"unknown capability {capability!r} ({', '.join(CAPABILITIES)})")
+        if capability in self.refusals:
+            raise ModelError(f"{self.name} ({self.family}) cannot {capability}: {self.refusals[capability]}")
 
     def resolve(self, variant: str) -> ModelSpec:
         """This family's spec for its variant ``variant``."""
@@ -252,6 +311,7 @@ class ModelSpec:
                     call_defaults=dict(v.call_defaults),
                     guidance_arg=v.guidance_arg,
                     sparse_block_size=v.sparse_block_size,
+                    variant_size_multiple=v.size_multiple,
                 )
         raise ModelError(
             f"model family {self.family!r} has no variant {variant!r} ({', '.join(self.variant_names())})"
@@ -284,6 +344,20 @@ class ModelSpec:
             f"{where}: {self.pipeline_class.split(':')[-1]} with transformer config {values} {what}"
         )
 
+    @property
+    def size_step(self) -> int:
+        """The multiple the resolved variant's height and width must be."""
+        return self.variant_size_multiple or self.size_multiple
+
+    def condition(self, call: Mapping[str, Any]) -> dict[str, Any]:
+        """The inputs besides the call's (never saved in a package) that offline calibration and
+        evaluation give the pipeline: a fixed synthetic conditioning image at the call's size under
+        ``image_arg``; nothing for a text-only family."""
+        if self.image_arg is None:
+            return {}
+        image = calibration_image(int(call["height"]), int(call["width"]))
+        return {self.image_arg: image, **self.condition_kwargs}
+
     def attention_site(self, name: str) -> AttentionSite | None:
         """The first attention site whose pattern matches module ``name``; None: not an attention site."""
         return next((s for s in self.attention if fnmatch.fnmatchcase(name, s.modules)), None)
@@ -307,4 +381,4 @@ class ModelSpec:
         if guidance is not None:
             kwargs[self.guidance_arg] = guidance
         kwargs.update({k: v for k, v in overrides.items() if v is not None})
-        return kwargs
+        return with_area(kwargs)

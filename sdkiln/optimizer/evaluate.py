@@ -42,8 +42,10 @@ def generate(
     seeds: list[int],
     batch_size: int = 16,
     desc: str = "generate",
+    inputs: dict[str, Any] | None = None,
 ) -> tuple[np.ndarray, torch.Tensor]:
-    """Images (np, [N, ...] in [0, 1]) and final latents for ``prompts`` with one CPU generator per seed."""
+    """Images (np, [N, ...] in [0, 1]) and final latents for ``prompts`` with one CPU generator per seed;
+    ``inputs``: pipeline inputs besides the call's (``ModelSpec.condition``: a conditioning image)."""
     images, latents = [], []
     captured: dict[str, torch.Tensor] = {}
 
@@ -64,6 +66,7 @@ def generate(
             callback_on_step_end=capture,
             callback_on_step_end_tensor_inputs=["latents"],
             **kwargs,
+            **(inputs or {}),
         )
         frames = out.frames if hasattr(out, "frames") else out.images
         images.append(np.asarray(frames, dtype=np.float32))
@@ -136,7 +139,7 @@ def reference(
     batch_size = batch_size or default_eval_batch(call)
     prompts, seeds = sample_plan(spec, num_samples, seed)
     with bounded_decode(base, call):
-        images, latents = generate(base, call, prompts, seeds, batch_size, "original")
+        images, latents = generate(base, call, prompts, seeds, batch_size, "original", spec.condition(call))
     theirs = spec.metrics(images, prompts) if spec.metrics is not None else None
     return Reference(prompts, seeds, images, latents, call, seed, theirs)
 
@@ -151,7 +154,9 @@ def measure(
     if runner is not None:
         runner.reset_counters()
     with bounded_decode(optimized, call):
-        opt_imgs, opt_lat = generate(optimized, call, ref.prompts, ref.seeds, batch_size, "optimized")
+        opt_imgs, opt_lat = generate(
+            optimized, call, ref.prompts, ref.seeds, batch_size, "optimized", spec.condition(call)
+        )
     base_imgs, prompts = ref.images, ref.prompts
     psnr = np.minimum(metrics.psnr(base_imgs, opt_imgs), PSNR_CAP_DB)
     report: dict[str, Any] = {

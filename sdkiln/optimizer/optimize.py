@@ -203,9 +203,11 @@ def optimize(
         if by_name or in_place:
             optimized, kept_base = base, None
         else:
-            optimized = type(base)(**{**base.components, attr: copy.deepcopy(base_transformer)})
+            # from_pipe keeps the pipeline's own settings (Wan2.2 TI2V-5B's expand_timesteps)
+            optimized = type(base).from_pipe(base, **{attr: copy.deepcopy(base_transformer)})
             kept_base = base
         ctx = TransformContext(pipeline=optimized, spec=spec, forward_loop=forward_loop, recipe=recipe)
+        ctx.check_capabilities()
         ctx.check_deployment()
         call = ctx.call_kwargs()
         batch = eval_batch or default_eval_batch(call)

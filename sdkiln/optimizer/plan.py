@@ -128,7 +128,7 @@ def working_bytes(
     transformer = ctx.transformer
     dtype_size = next(transformer.parameters()).element_size()
     width = max((k for _, k in _linear_shapes(transformer)), default=0)
-    size = ctx.spec.size_multiple
+    size = ctx.spec.size_step
     frames = int(call.get("num_frames") or 1)
     tokens = (int(call.get("height", size)) // size) * (int(call.get("width", size)) // size)
     tokens = tokens * ((frames - 1) // (ctx.spec.frame_step or 1) + 1) + int(

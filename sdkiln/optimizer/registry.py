@@ -45,6 +45,15 @@ class TransformContext:
             max_sequence_length=d.max_sequence_length,
         )
 
+    def check_capabilities(self) -> None:
+        """The family's one-line refusal (``ModelSpec.refusals``) of a recipe step it cannot take,
+        before anything runs."""
+        steps = self.recipe.steps if self.recipe is not None else ()
+        for step in steps:
+            capability = step_capability(step)
+            if capability is not None:
+                self.spec.refuse(capability)
+
     def check_deployment(self) -> None:
         """Refuse a resolution setting the family's pipeline call does not take (``num_frames`` for
         an image model) or cannot take (a height that is not a multiple of its ``size_multiple``, a
@@ -58,10 +67,10 @@ class TransformContext:
                 )
         for name in ("height", "width"):
             value = getattr(d, name)
-            if value is not None and value % spec.size_multiple:
+            if value is not None and value % spec.size_step:
                 raise RecipeError(
                     f"the recipe deploys at {name}={value}, but {spec.name} takes multiples of "
-                    f"{spec.size_multiple} (its VAE's downscale times its patch size)"
+                    f"{spec.size_step} (its VAE's downscale times its patch size)"
                 )
         if d.max_sequence_length is not None and d.max_sequence_length > spec.max_text_tokens:
             raise RecipeError(
@@ -92,6 +101,17 @@ class TransformResult:
     record: dict[str, Any]
     files: dict[str, Any] = field(default_factory=dict)
     sections: dict[str, Any] = field(default_factory=dict)
+
+
+def step_capability(step: RecipeStep) -> str | None:
+    """The family capability (``model_zoo.spec.CAPABILITIES``) a recipe step exercises."""
+    if step.kind == "sparse_attention":
+        return "sparse"
+    if step.transform_module.startswith("sdkiln.optimizer.cache"):
+        return "cache"
+    if step.transform_module.startswith("sdkiln.optimizer.quant"):
+        return "quant"
+    return None
 
 
 Transform = Callable[[TransformContext, RecipeStep], TransformResult]

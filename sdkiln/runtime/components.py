@@ -324,7 +324,38 @@ def _model(pkg: Package, name: str, cls: type, library: str, device: torch.devic
             model = (
                 cls.from_config(config) if library == "diffusers" else cls(cls.config_class.from_dict(config))
             )
-    return fill_weights(model, component_tensors(pkg, name, device), f"{name}/", keep=tuple(computed))
+    tensors = component_tensors(pkg, name, device)
+    if library == "transformers":
+        tensors = _model_keys(model, tensors, config_rel)
+    return fill_weights(model, tensors, f"{name}/", keep=tuple(computed))
+
+
+def _model_keys(model: nn.Module, tensors: dict[str, torch.Tensor], where: str) -> dict[str, torch.Tensor]:
+    """A transformers model's stored names as the model names them: transformers 5 saves some models
+    under their checkpoint names (Qwen2.5-VL's ``model.embed_tokens`` for the model's
+    ``model.language_model.embed_tokens``) and renames on load, with its own mapping, used here."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+    transforms = get_model_conversion_mapping(model)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    if not renamings and not converters:
+        return tensors
+    renamed = {}
+    for key, value in tensors.items():
+        new, converter = rename_source_key(key, renamings, converters)
+        if converter is not None:
+            raise PackageError(f"{where}: tensor {key!r} needs a weight conversion sdkiln does not run")
+        renamed[new] = value
+    return renamed
+
+
+def _image_processor(pkg: Package, name: str, cls: type) -> Any:
+    rel = f"{name}/preprocessor_config.json"
+    config = expect_dict(pkg.read_json(rel), rel)
+    with third_party(rel, f"building {cls.__name__}"):
+        return cls.from_dict(config)
 
 
 def _scheduler(pkg: Package, name: str, cls: type) -> Any:
@@ -379,12 +410,22 @@ def load_component(
     pipeline's annotation for it, is checked before anything is built: a model must be of the
     declared class (a transformer posing as a VAE is refused before its constructor runs)."""
     from diffusers import ModelMixin, SchedulerMixin
-    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+    from transformers import ImageProcessingMixin, PreTrainedModel, PreTrainedTokenizerBase
 
     if library not in LIBRARIES:
         raise PackageError(f"model_index.json: component {name!r} comes from {library!r}, not {LIBRARIES}")
     cls = resolve_class(f"{library}:{class_name}", object, f"component {name!r}", modules=LIBRARIES)
-    if isinstance(declared, type) and issubclass(declared, nn.Module) and not issubclass(cls, declared):
+    if (
+        isinstance(declared, type)
+        and issubclass(declared, nn.Module)
+        and not issubclass(cls, declared)
+        # transformers' heads of one model share its config class (CLIPVisionModelWithProjection for
+        # a pipeline typed CLIPVisionModel: Wan image-to-video's published image encoder)
+        and not (
+            library == "transformers"
+            and getattr(cls, "config_class", None) is getattr(declared, "config_class", 0)
+        )
+    ):
         raise PackageError(
             f"model_index.json: {name} is a {class_name}, the pipeline takes a {declared.__name__}"
         )
@@ -394,6 +435,8 @@ def load_component(
         return _scheduler(pkg, name, cls)
     if issubclass(cls, PreTrainedTokenizerBase):
         return _tokenizer(pkg, name, cls)
+    if issubclass(cls, ImageProcessingMixin):
+        return _image_processor(pkg, name, cls)
     raise PackageError(f"model_index.json: component {name!r} is a {class_name}, which sdkiln does not load")
 
 

@@ -41,6 +41,7 @@ from sdkiln.configs.runtime import CompileConfig, ParallelConfig
 from sdkiln.errors import PackageError, ParallelError, SdkilnError, third_party
 from sdkiln.runtime import restore
 from sdkiln.runtime.components import (
+    BUDGET_MARGIN,
     assemble,
     bounded_build,
     check_config_types,
@@ -73,7 +74,26 @@ def build_transformer(pkg: Package) -> nn.Module:
         third_party(where, f"building {cls.__name__}"),
         bounded_build(stored_size(pkg, info["transformer_attr"]), where),
     ):
-        return cls.from_config(config)
+        model = cls.from_config(config)
+    # tensors a module computes from the config and keeps as plain attributes, neither parameters nor
+    # buffers (Qwen-Image's complex RoPE tables), stay on meta: built again for real when small
+    plain = sum(
+        v.numel()
+        for m in model.modules()
+        for v in vars(m).values()
+        if isinstance(v, torch.Tensor) and v.is_meta
+    )
+    if plain > BUDGET_MARGIN:
+        raise PackageError(f"{where}: {plain:,} elements of tensors computed from the config")
+    if plain:
+        from accelerate import init_empty_weights
+
+        with (
+            third_party(where, f"building {cls.__name__}'s tables"),
+            init_empty_weights(include_buffers=False),
+        ):
+            model = cls.from_config(config)
+    return model
 
 
 def load_weights(pkg: Package, model: nn.Module, device: torch.device | None = None) -> nn.Module:
@@ -132,6 +152,24 @@ def _parallel(
     info = ctx.package.manifest["model"]
     spec = get_spec(info["family"], info.get("variant"))
     return enable_parallel(ctx.pipeline, ctx.transformer, spec, parallel, target).mesh.device
+
+
+def _check_refusals(manifest: dict, parallel: ParallelConfig | None, compile: CompileConfig | None) -> None:
+    """The family's one-line refusal (``ModelSpec.refusals``) of a layout it cannot run, before any work."""
+    if parallel is None and compile is None:
+        return
+    from sdkiln.model_zoo import get_spec
+
+    info = manifest["model"]
+    spec = get_spec(info["family"], info.get("variant"))
+    asked = {"compile": compile is not None}
+    if parallel is not None:
+        asked.update(
+            {"cfg-parallel": parallel.cfg > 1, "ulysses": parallel.ulysses > 1, "ring": parallel.ring > 1}
+        )
+    for capability, used in asked.items():
+        if used:
+            spec.refuse(capability)
 
 
 def _check_parallel_compile(parallel: ParallelConfig | None, compile: CompileConfig | None) -> None:
@@ -229,6 +267,7 @@ def load(
     _check_parallel_compile(parallel, compile)
     target = kernels.resolve_device(device)
     pkg = open_package(path, digest=digest)
+    _check_refusals(pkg.manifest, parallel, compile)
     sections = restore.sections_of(pkg.manifest)
     if compile is not None and any(s.name == sparse_restore.NAME for s in sections):
         raise SdkilnError(

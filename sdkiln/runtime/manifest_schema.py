@@ -31,6 +31,7 @@ CALL_BOUNDS: dict[str, tuple[type, float, float]] = {
     "num_frames": (int, 1, 1024),
     "max_sequence_length": (int, 1, 4096),
     "num_images_per_prompt": (int, 1, 16),
+    "max_area": (int, 64, 4096 * 4096),  # FLUX.1-Kontext scales its output to this many pixels
 }
 GUIDANCE_BOUNDS = (0.0, 100.0)
 GUIDANCE_ARG = re.compile(r"[a-z_]*(guidance|cfg)[a-z_0-9]*")  # guidance_scale, flux-tiny's true_cfg_scale

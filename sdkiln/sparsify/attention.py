@@ -231,7 +231,9 @@ def _mean_sparsity(plan: SparseAttentionPlan, names: list[str]) -> float | None:
 def _run(ctx: TransformContext, plan: SparseAttentionPlan, call, prompts, seeds) -> np.ndarray:
     attach_sparse_attention(ctx.pipeline, ctx.spec, plan)
     try:
-        images, _ = generate(ctx.pipeline, call, prompts, seeds, len(prompts), "sparse attention")
+        images, _ = generate(
+            ctx.pipeline, call, prompts, seeds, len(prompts), "sparse attention", ctx.spec.condition(call)
+        )
     finally:
         detach_sparse_attention(ctx.transformer)
     return images
@@ -248,7 +250,9 @@ def _dense_reference(ctx: TransformContext, call, prompts, seeds) -> tuple[np.nd
 
     handle = ctx.transformer.register_forward_pre_hook(read, with_kwargs=True)
     try:
-        images, _ = generate(ctx.pipeline, call, prompts, seeds, len(prompts), "dense attention")
+        images, _ = generate(
+            ctx.pipeline, call, prompts, seeds, len(prompts), "dense attention", ctx.spec.condition(call)
+        )
     finally:
         handle.remove()
     if not frames:

@@ -1,4 +1,4 @@
-"""The FLUX, SD3 and Wan specs against their tiny real diffusers pipelines (STYLE.md habit 13).
+"""Every family's spec against its tiny real diffusers pipeline (STYLE.md habit 13).
 
 Every comparison here is exact (``torch.equal`` / ``np.array_equal``): the same seed on the same
 weights on one CPU thread must give the same bits.
@@ -17,17 +17,21 @@ import pytest
 import torch
 from torch import nn
 
-from sdkiln.model_zoo import get_spec
+from sdkiln.model_zoo import get_spec, spec_names
 
-NAMES = ["flux-tiny", "sd3-tiny", "wan-tiny"]
-SAVED_SUFFIXES = {".safetensors", ".json", ".txt"}
+NAMES = [name for name in spec_names() if name != "fmnist-flux"]  # tests/model_zoo/test_fmnist.py
+SAVED_SUFFIXES = {".safetensors", ".json", ".txt", ".jinja"}  # .jinja: a chat template (FLUX.2, Qwen-Image)
 LATENTS = "latents"
 """The tensor every pipeline hands to ``callback_on_step_end``; calibration records it."""
 
 
 def _generate(pipe, spec, seed: int = 0, **overrides):
+    call = spec.call_kwargs(**overrides)
     out = pipe(
-        spec.eval_prompts[0], generator=torch.Generator().manual_seed(seed), **spec.call_kwargs(**overrides)
+        prompt=spec.eval_prompts[0],
+        generator=torch.Generator().manual_seed(seed),
+        **call,
+        **spec.condition(call),
     )
     return out.frames if hasattr(out, "frames") else out.images
 
@@ -89,7 +93,9 @@ def test_save_pretrained_round_trip(spec, pipe, tmp_path):
             f"{transformer_cls.__name__}.from_pretrained needs `accelerate`: diffusers loads models with "
             "_keep_in_fp32_modules only with low_cpu_mem_usage=True; pip install accelerate"
         )
-    reloaded = type(pipe).from_pretrained(Path(tmp_path))
+    # read into memory, not mapped: a mapped weight sits wherever the safetensors header leaves it, and
+    # the CPU GEMM rounds differently on unaligned weights (HunyuanVideo's, 8 bytes off 16)
+    reloaded = type(pipe).from_pretrained(Path(tmp_path), disable_mmap=True)
     assert np.array_equal(_generate(pipe, spec), _generate(reloaded, spec))
 
 

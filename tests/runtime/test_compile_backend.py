@@ -9,7 +9,8 @@ in fp32 on CPU the compiled transformer equals eager within ``FLOAT_VS_EAGER_MAX
 tests/runtime/test_compile.py's: Inductor may reorder the fp32 arithmetic around the exact int8 ops.
 """
 
-import collections
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,6 +24,9 @@ from sdkiln.metrics import rel_l2
 from sdkiln.model_zoo import get_spec
 from sdkiln.optimizer.evaluate import generate
 from sdkiln.runtime.compile import Backend, compile_transformer
+
+sys.path.insert(0, str(Path(__file__).parent))
+from compile_helpers import per_block, transformer_inputs  # noqa: E402
 
 FLOAT_VS_EAGER_MAX_ABS = 1e-5
 
@@ -44,29 +48,6 @@ EXPECTED = {
     "sd3-tiny": {"adaln", "gelu_tanh", "gate_add"},
     "wan-tiny": {"rms_norm", "adaln", "rope", "gelu_tanh", "gate_add"},
 }
-
-
-def transformer_inputs(spec, pipe) -> tuple[tuple, dict]:
-    """The transformer's arguments at the first denoising step of a real pipeline call."""
-    captured = []
-    handle = pipe.transformer.register_forward_pre_hook(
-        lambda m, args, kwargs: captured.append((args, kwargs)) if not captured else None, with_kwargs=True
-    )
-    generate(pipe, spec.call_kwargs(num_inference_steps=1), ["a photo of a cat"], [0])
-    handle.remove()
-    return captured[0]
-
-
-def per_block(backend: Backend, spec) -> dict[str, set[str]]:
-    """Block path ("transformer_blocks.0") -> the patterns that matched inside it."""
-    blocks = collections.defaultdict(set)
-    prefixes = spec.block_prefixes()
-    for record in backend.matches:
-        for prefix in prefixes:
-            if record.where.startswith(prefix):
-                index = record.where[len(prefix) :].split(".")[0]
-                blocks[prefix + index].add(record.pattern)
-    return blocks
 
 
 @pytest.mark.parametrize("model", list(EXPECTED))

@@ -143,6 +143,7 @@ def test_flux_dev_depth_compiles_once_per_block_kind(fresh_dynamo):
     check_compiles_once_per_block_kind("flux", flux, GRAPHS["flux"])
 
 
+@pytest.mark.slow  # the FLUX case above runs the same seam in make test (CI budget)
 @pytest.mark.parametrize("family, build", [("sd3", sd3), ("wan", wan)])
 def test_sd3_and_wan_depth_compile_once_per_block_kind(fresh_dynamo, family, build):
     check_compiles_once_per_block_kind(family, build, GRAPHS[family])

@@ -11,14 +11,11 @@ final latents (``sdkiln.metrics.sqnr_db``).
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
-import traceback
 from pathlib import Path
 
 import numpy as np
@@ -36,17 +33,12 @@ from sdkiln.configs import (
     W8A8DynamicConfig,
 )
 from sdkiln.errors import ParallelError
-from sdkiln.metrics import sqnr_db
-from sdkiln.runtime.cache import cache_runner
 from sdkiln.runtime.parallel import layouts
 
-EXACT = "equal"
-CLOSE_DB = 120.0
-"""A relative error of 1e-6: 20 log10(1e6) dB."""
+sys.path.insert(0, str(Path(__file__).parent))
+from parallel_harness import CLOSE_DB, EXACT, HANG_S, check, free_port, generate, launch  # noqa: E402
+
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "schema1_flux_tiny" / "package"
-PROMPT, SEED = "a photo of a cat", 3
-HANG_S = 15.0
-"""How long a hanging rank stops answering: longer than the others may take to give up on it."""
 
 
 @pytest.fixture(scope="module")
@@ -69,116 +61,6 @@ def packages(tmp_path_factory) -> dict[str, Path]:
         sdkiln.optimize("fmnist-flux", recipe, root / "sparse", eval_samples=0)
     out["sparse"] = root / "sparse"
     return out
-
-
-def generate(
-    package: Path, parallel: ParallelConfig | None, call: dict | None = None, stop=None, compile=None
-):
-    """Final latents of PROMPT at SEED, and the cache guard's counters (None without a guard).
-    ``stop=("exit" | "hang", step)``: this process exits there, or stops answering for HANG_S
-    seconds and then exits."""
-    pipe = sdkiln.load(package, device="cpu", parallel=parallel, compile=compile)
-    kwargs = {**pipe.sdkiln_manifest["call"]["defaults"], **(call or {}), "output_type": "latent"}
-
-    def die(_pipe, step, _t, tensors):
-        if stop is not None and step == stop[1]:
-            if stop[0] == "hang":
-                time.sleep(HANG_S)
-            os._exit(17)  # a rank that dies mid-run, without a word to the others
-        return tensors
-
-    out = pipe(
-        prompt=PROMPT, generator=torch.Generator("cpu").manual_seed(SEED), callback_on_step_end=die, **kwargs
-    )
-    latents = out.images if hasattr(out, "images") else out.frames
-    runner = cache_runner(pipe.transformer)
-    guard = None if runner is None or runner.guard is None else (runner.guard_checks, runner.guard_forced)
-    return latents.numpy(), guard
-
-
-def _worker(rank: int, world: int, port: int, cases: list, queue) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
-    torch.set_num_threads(1)
-    results = []
-    try:
-        for package, config, call, stop, compile in cases:
-            try:
-                results.append(("ok", generate(package, config, call, stop if rank == 1 else None, compile)))
-            except ParallelError as exc:
-                results.append(("ParallelError", (str(exc), time.monotonic())))
-    except BaseException:
-        queue.put((rank, "crash", traceback.format_exc()))
-        raise
-    queue.put((rank, "done", results))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def launch(world: int, cases: list, timeout: float = 150.0) -> dict[int, list]:
-    """Run ``cases`` (package, ParallelConfig, call overrides, how and where rank 1 stops) in ``world`` forked ranks;
-    each rank's results, in case order (ranks that died report nothing)."""
-    ctx = multiprocessing.get_context("fork")
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, cases, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    deadline, results = time.monotonic() + timeout, {}
-    # read while the ranks run: a rank's results fill the pipe, and it exits only once they are read
-    while len(results) < world and time.monotonic() < deadline:
-        try:
-            rank, status, payload = queue.get(timeout=0.5)
-        except Exception:  # queue.Empty: nothing yet
-            if not any(p.is_alive() for p in procs) and queue.empty():
-                break
-            continue
-        assert status == "done", f"rank {rank} crashed:\n{payload}"
-        results[rank] = payload
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-    alive = [p for p in procs if p.is_alive()]
-    for p in alive:
-        p.kill()
-    assert not alive, f"{len(alive)} rank(s) still running after {timeout} s: a hang"
-    return results
-
-
-def check(world: int, cases: list[tuple]) -> None:
-    """``cases``: (package, ParallelConfig, call overrides, tolerance[, CompileConfig]) -> one launch,
-    then compare with one process's uncompiled run."""
-    cases = [(*case, None)[:5] for case in cases]
-    references = [generate(package, None, call) for package, _, call, _, _ in cases]
-    results = launch(
-        world, [(package, config, call, None, compile) for package, config, call, _, compile in cases]
-    )
-    assert sorted(results) == list(range(world))
-    for i, ((package, config, call, tolerance, compile), (ref, ref_guard)) in enumerate(
-        zip(cases, references, strict=True)
-    ):
-        where = f"{package.name} {config} {call or ''} {compile or ''}"
-        outputs = [results[r][i] for r in range(world)]
-        assert all(status == "ok" for status, _ in outputs), f"{where}: {outputs}"
-        latents, guard = outputs[0][1]
-        for _, (other, other_guard) in outputs[1:]:
-            assert np.array_equal(other, latents), f"{where}: the ranks' latents differ"
-            assert other_guard == guard, f"{where}: the ranks' cache guards decided differently"
-        got, want = torch.from_numpy(latents), torch.from_numpy(ref)
-        if tolerance == EXACT:
-            assert torch.equal(got, want), f"{where}: not bit-identical (SQNR {sqnr_db(want, got):.1f} dB)"
-        else:
-            assert sqnr_db(want, got) >= CLOSE_DB, f"{where}: SQNR {sqnr_db(want, got):.1f} dB"
-        if config.cfg == 1:  # every rank ran both branches: the guard's counts are one device's
-            assert guard == ref_guard, f"{where}: guard {guard} vs one device's {ref_guard}"
 
 
 def test_two_ranks_cfg_ulysses_ring_and_split_text_match_one_device(packages):
@@ -279,7 +161,7 @@ def _sdkiln(*args: str, nproc: int | None = None) -> subprocess.CompletedProcess
         cmd = [sys.executable, "-m", "sdkiln", *args]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-port",
-               str(_free_port()), "-m", "sdkiln", *args]  # fmt: skip
+               str(free_port()), "-m", "sdkiln", *args]  # fmt: skip
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240)
 
 

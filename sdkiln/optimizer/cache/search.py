@@ -158,7 +158,15 @@ class Search:
         call = self.ctx.call_kwargs()
         runner = attach_cache(self.ctx.pipeline, schedule, self.ctx.spec.transformer_attr)
         try:
-            images, latents = generate(self.ctx.pipeline, call, prompts, seeds, len(prompts), "confirm")
+            images, latents = generate(
+                self.ctx.pipeline,
+                call,
+                prompts,
+                seeds,
+                len(prompts),
+                "confirm",
+                self.ctx.spec.condition(call),
+            )
         finally:
             detach_cache(self.ctx.transformer)
         psnr = np.minimum(metrics.psnr(reference_images, images), PSNR_CAP_DB)
@@ -184,7 +192,9 @@ class Search:
             self.ctx.pipeline, self.schedule(actions), self.ctx.spec.transformer_attr, guard=recorder
         )
         try:
-            generate(self.ctx.pipeline, call, prompts, seeds, len(prompts), "guard")
+            generate(
+                self.ctx.pipeline, call, prompts, seeds, len(prompts), "guard", self.ctx.spec.condition(call)
+            )
         finally:
             detach_cache(self.ctx.transformer)
         return guard_thresholds(
@@ -343,7 +353,9 @@ def apply_cache_auto(ctx: TransformContext, config: CacheAutoConfig) -> Transfor
     model = search.measure_segments(seconds_per_step)
 
     call = ctx.call_kwargs()
-    ref_images, ref_latents = generate(ctx.pipeline, call, prompts, seeds, len(prompts), "uncached")
+    ref_images, ref_latents = generate(
+        ctx.pipeline, call, prompts, seeds, len(prompts), "uncached", ctx.spec.condition(call)
+    )
     confirmed = Confirmed(search, prompts, seeds, ref_images, ref_latents)
     full = search.num_steps * search.num_blocks
     candidates = [(model.solve(b), f"dp budget={b / full:.3f}") for b in model.budgets(config.budgets)]
@@ -366,7 +378,7 @@ def apply_cache_auto(ctx: TransformContext, config: CacheAutoConfig) -> Transfor
     eval_prompts = [ctx.spec.eval_prompts[i % len(ctx.spec.eval_prompts)] for i in range(config.eval_samples)]
     eval_seeds = [EVAL_SEED + i for i in range(config.eval_samples)]
     held_images, held_latents = generate(
-        ctx.pipeline, call, eval_prompts, eval_seeds, len(eval_prompts), "held-out"
+        ctx.pipeline, call, eval_prompts, eval_seeds, len(eval_prompts), "held-out", ctx.spec.condition(call)
     )
     actions = [Action.parse(a) for a in chosen["actions"]]
     schedule = search.schedule(actions)

@@ -202,6 +202,10 @@ def _gate_add_dit_replacement(residual, gate, branch):
     return ops.mul_add.default(gate.unsqueeze(1), branch, residual)
 
 
+def _gate_add_dit_after(residual, gate, branch):  # HunyuanVideo's single block: the residual added last
+    return gate.unsqueeze(1) * branch + residual
+
+
 def _gate_add_wan(residual, gate, branch):  # Wan: (residual.float() + branch * gate).type_as(residual)
     return (residual.float() + branch * gate).type_as(residual)
 
@@ -266,6 +270,7 @@ PATTERNS: dict[str, list[tuple[Callable, Callable, str, dict, str | None]]] = {
     "gelu_tanh": [(_gelu_tanh, _gelu_tanh_replacement, "one", {}, None)],
     "gate_add": [
         (_gate_add_dit, _gate_add_dit_replacement, "gate", {}, None),
+        (_gate_add_dit_after, _gate_add_dit_replacement, "gate", {}, None),
         (_gate_add_wan, _gate_add_wan_replacement, "gate_wan", {}, None),
     ],
     "norm_quantize": [
