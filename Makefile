@@ -12,7 +12,7 @@ export OMP_NUM_THREADS ?= 1
 export HF_HUB_OFFLINE := 1
 export TORCH_DEVICE_BACKEND_AUTOLOAD := 0
 
-.PHONY: setup setup-test setup-bench demo test test-all lint dataset bench-quant bench-cache bench-kernels bench-parallel bench-sparse bench-scale gpu-wheels gpu-pass readme-numbers fuzz clean
+.PHONY: setup setup-test setup-bench demo test test-all lint dataset families-table bench-quant bench-cache bench-kernels bench-parallel bench-sparse bench-scale gpu-wheels gpu-pass readme-numbers fuzz clean
 
 $(PY):
 	@if $(PYTHON) -c "import torch" >/dev/null 2>&1; then \
@@ -124,7 +124,7 @@ bench-scale: setup
 # rehearses every part on CPU. gpu-wheels, on a networked machine, fetches the wheels such a machine lacks
 # (GPU_WHEEL_PACKAGES, at this venv's versions, for Python $(GPU_PYTHON)) into $(GPU_WHEELS).
 GPU_WHEELS ?= build/gpu-wheels
-GPU_WHEEL_PACKAGES ?= diffusers importlib_metadata torchao
+GPU_WHEEL_PACKAGES ?= diffusers importlib_metadata torchao ftfy wcwidth
 GPU_PYTHON ?= 3.12
 GPU_PLATFORMS := manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_24_x86_64 manylinux_2_17_x86_64 \
 	manylinux2014_x86_64 manylinux1_x86_64
@@ -146,6 +146,11 @@ gpu-pass:
 # prints the section that saved logs give, measuring nothing.
 readme-numbers:
 	$(PYTHON) tools/readme_numbers.py $(ARGS)
+
+# docs/families.md: the family x capability table from the specs and a run of the family suite
+# (tests/families); ARGS=--run-slow runs its slow cases too (sparse, ONNX, parallel: about 20 minutes)
+families-table: setup-test
+	$(PY) tools/families_table.py $(ARGS)
 
 # The loader's fuzz run: mutated packages through inspect and run, each case in a forked process
 # under a time and memory cap (tests/fuzz/fuzz_harness.py); a summary table by outcome, and with

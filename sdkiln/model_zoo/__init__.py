@@ -22,11 +22,26 @@ from sdkiln.model_zoo.spec import AttentionSite, BlockList, ModelSpec, Variant
 _FAMILY_MODULES = {
     "fmnist-flux": "sdkiln.model_zoo.fmnist.spec",
     "flux": "sdkiln.model_zoo.flux",
+    "flux-kontext": "sdkiln.model_zoo.flux_kontext",
+    "flux2": "sdkiln.model_zoo.flux2",
+    "hunyuan-video": "sdkiln.model_zoo.hunyuan_video",
+    "qwen-image": "sdkiln.model_zoo.qwen_image",
     "sd3": "sdkiln.model_zoo.sd3",
     "wan": "sdkiln.model_zoo.wan",
+    "wan-i2v": "sdkiln.model_zoo.wan_i2v",
 }
 # zoo name (a model `optimize` builds by name; the family packages made before variants record) -> family
-_ZOO = {"fmnist-flux": "fmnist-flux", "flux-tiny": "flux", "sd3-tiny": "sd3", "wan-tiny": "wan"}
+_ZOO = {
+    "fmnist-flux": "fmnist-flux",
+    "flux-tiny": "flux",
+    "flux-kontext-tiny": "flux-kontext",
+    "flux2-tiny": "flux2",
+    "hunyuan-video-tiny": "hunyuan-video",
+    "qwen-image-tiny": "qwen-image",
+    "sd3-tiny": "sd3",
+    "wan-tiny": "wan",
+    "wan-i2v-tiny": "wan-i2v",
+}
 DEFAULT_MODEL = "fmnist-flux"
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 """The dtypes a model is optimized in (``optimize --dtype``)."""
@@ -56,6 +71,17 @@ def get_spec(name: str | None = None, variant: str | None = None) -> ModelSpec:
 
 def _families() -> list[ModelSpec]:
     return [get_spec(family) for family in _FAMILY_MODULES]
+
+
+def families_help() -> str:
+    """One line per family: its name, pipeline class, zoo build and variants (``optimize --help``)."""
+    zoo = {family: name for name, family in _ZOO.items()}
+    lines = []
+    for spec in _families():
+        variants = ", ".join(v for v in spec.variant_names() if v not in ("tiny", "embedded"))
+        cls = spec.pipeline_class.split(":")[-1]
+        lines.append(f"  {spec.family:<18} {cls:<28} zoo: {zoo[spec.family]:<22} {variants or '-'}")
+    return "\n".join(lines)
 
 
 def spec_for_pipeline(pipeline) -> ModelSpec:

@@ -13,9 +13,16 @@ pipeline exposes its latents ``(B, C, F, H, W)`` to ``callback_on_step_end`` as 
 Variants, by transformer width (heads of 128, UMT5 width 4096, 16 latent channels), with WanPipeline's
 defaults (81 frames, 50 steps, guidance 5.0, 512 text tokens) at the resolution each model card runs:
 Wan2.1-T2V-1.3B (12 heads, FFN 8960) at 480x832, Wan2.1-T2V-14B (40 heads, FFN 13824) at 720x1280.
-The flow shift belongs to the scheduler (model_index.json), not to the call. Wan2.2-T2V-A14B has
-Wan2.1-14B's width but two experts, ``transformer`` for high noise and ``transformer_2`` below
-``boundary_ratio``: a directory that sets either is refused before anything loads.
+The flow shift belongs to the scheduler (model_index.json), not to the call.
+
+Wan2.2-TI2V-5B (24 heads, FFN 14336, 48 latent channels) is a ``WanPipeline`` with one transformer and
+its own VAE (48 channels, 16x spatial compression: 32-pixel multiples, 704x1280 is a 44x80 latent, 22x40
+tokens per frame) and ``expand_timesteps`` set in model_index.json: the pipeline gives the transformer a
+per-token timestep [B, S], which the parallel plan splits with the video tokens. Its defaults are the
+model card's: 121 frames at 704x1280, 50 steps, guidance 5.0.
+Wan2.2-T2V-A14B has Wan2.1-14B's width but two experts, ``transformer`` for high noise and
+``transformer_2`` below ``boundary_ratio``: a directory that sets either is refused before anything
+loads (TI2V-5B sets neither: ``transformer_2`` is [null, null], ``boundary_ratio`` null).
 """
 
 from __future__ import annotations
@@ -124,6 +131,20 @@ WAN_VARIANTS = (
         sparse_block_size=128,
     ),
     Variant(
+        "Wan2.2-TI2V-5B",
+        "Wan-AI/Wan2.2-TI2V-5B-Diffusers, 720p (its own 48-channel VAE, per-token timesteps)",
+        match={
+            "in_channels": 48,
+            "attention_head_dim": 128,
+            "text_dim": 4096,
+            "num_attention_heads": 24,
+            "ffn_dim": 14336,
+        },
+        call_defaults={**_published(704, 1280), "num_frames": 121},
+        sparse_block_size=128,
+        size_multiple=32,  # its VAE's 16x spatial compression times the 2x2 patch
+    ),
+    Variant(
         "tiny",
         "the test build (tiny() above): 2 heads of 32, FFN 128, text width 32",
         match={
@@ -147,7 +168,8 @@ WAN_VARIANTS = (
 )
 _TWO_EXPERTS = (
     "Wan2.2's two-expert layout is not supported yet; sdkiln optimizes one transformer, not a second one "
-    "(transformer_2) taking over below boundary_ratio (supported: Wan2.1-T2V-1.3B, Wan2.1-T2V-14B)"
+    "(transformer_2) taking over below boundary_ratio "
+    "(supported: Wan2.1-T2V-1.3B, Wan2.1-T2V-14B, Wan2.2-TI2V-5B)"
 )
 
 SPEC = ModelSpec(

@@ -319,8 +319,8 @@ def test_family_and_zoo_names_both_resolve():
     assert get_spec("flux", "FLUX.1-dev").resolve("tiny") == get_spec("flux-tiny")
     with pytest.raises(ModelError, match=r"no variant 'FLUX.1-pro' \(FLUX.1-dev, FLUX.1-schnell, tiny\)"):
         get_spec("flux", "FLUX.1-pro")
-    with pytest.raises(ModelError, match="unknown model 'flux2'"):
-        get_spec("flux2")
+    with pytest.raises(ModelError, match="unknown model 'flux3'"):
+        get_spec("flux3")
 
 
 def test_manifest_variant_is_an_optional_bounded_string():
@@ -342,3 +342,24 @@ def test_eval_and_inspect_resolve_family_and_variant_from_the_manifest(tmp_path,
     assert "(flux tiny; diffusers:FluxPipeline, float32)" in capsys.readouterr().out
     assert main(["eval", str(root), "--num-samples", "1", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["num_samples"] == 1
+
+
+PUBLISHED_CONFIGS = {  # tools/model_configs/<dir> (published JSON, SOURCE.md) -> (family, variant)
+    "flux2-dev": ("flux2", "FLUX.2-dev"),
+    "hunyuan-video": ("hunyuan-video", "HunyuanVideo"),
+    "qwen-image": ("qwen-image", "Qwen-Image"),
+    "wan2.1-i2v-14b-480p": ("wan-i2v", "Wan2.1-I2V-14B"),
+    "wan2.2-ti2v-5b": ("wan", "Wan2.2-TI2V-5B"),
+}
+
+
+@pytest.mark.parametrize("directory", list(PUBLISHED_CONFIGS))
+def test_a_published_config_directory_is_detected_as_its_variant(tmp_path, directory):
+    """The published configs of the families added for issue 33, read as a directory of them is read
+    (model_index.json and the transformer's config.json, no weights)."""
+    source = Path(__file__).resolve().parents[2] / "tools" / "model_configs" / directory
+    (tmp_path / "transformer").mkdir()
+    shutil.copy(source / "model_index.json", tmp_path / "model_index.json")
+    shutil.copy(source / "transformer" / "config.json", tmp_path / "transformer" / "config.json")
+    spec = detect(tmp_path)
+    assert (spec.family, spec.variant) == PUBLISHED_CONFIGS[directory]
