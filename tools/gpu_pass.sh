@@ -7,6 +7,8 @@
 #   tests    the CUDA tests: pytest -m gpu
 #   kernels  bench/kernels.py --device cuda --quick --no-compile
 #   e2e      bench/e2e.py --device cuda --quick, FLUX.1-dev size, eager and our device-kernel rows
+#   families bench/families_device.py --device cuda: every zoo family's tiny build optimized (W8A8
+#            dynamic, bf16, quality against float) and its package generating on the GPU's kernels
 #   load     bench/scale_load.py --device cuda --full: the full FLUX.1-dev W8A8 package loaded to the
 #            GPU, cold and warm (compile cache) start to the first 1024x1024 step, host and device peaks
 #   scale    bench/scale.py --device cuda --full: optimize's peak memory against its bound
@@ -23,14 +25,14 @@
 # test collection only, one small op, the small e2e model, scale.py --dry-run --full) into a
 # temporary folder and copies nothing to bench/results/: the plumbing, tested without a GPU.
 # Settings: GPU_PASS_PARTS, GPU_PASS_TOTAL_S, GPU_PASS_BUDGET_<PART> (seconds), GPU_PASS_<PART>_ARGS
-# (extra arguments: TESTS, KERNELS, E2E, LOAD, SCALE), GPU_PASS_TESTS (test paths, default tests),
+# (extra arguments: TESTS, KERNELS, E2E, FAMILIES, LOAD, SCALE), GPU_PASS_TESTS (test paths, default tests),
 # GPU_WHEELS, PYTHON.
 set -u -o pipefail
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
 DRY=${GPU_PASS_DRY_RUN:-0}
-PARTS=${GPU_PASS_PARTS:-wheels,tests,kernels,e2e,load,scale}
+PARTS=${GPU_PASS_PARTS:-wheels,tests,kernels,e2e,families,load,scale}
 while [ $# -gt 0 ]; do
 	case $1 in
 	--dry-run) DRY=1 ;;
@@ -153,6 +155,8 @@ if [ "$DRY" = 1 ]; then
 		--out "$PASS_DIR/kernels_${KIND}_quick.json" ${GPU_PASS_KERNELS_ARGS:-}
 	part e2e "$(budget e2e 60)" "$PY" bench/e2e.py --device cpu --quick --model flux --rows eager,ours-w8a8-ref \
 		--out "$PASS_DIR/e2e_${KIND}_quick.json" ${GPU_PASS_E2E_ARGS:-}
+	part families "$(budget families 120)" "$PY" bench/families_device.py --device cpu --dtype float32 --families flux-kontext-tiny \
+		--out "$PASS_DIR/families_${KIND}.json" ${GPU_PASS_FAMILIES_ARGS:-}
 	part load "$(budget load 60)" "$PY" bench/scale_load.py --device cuda --full --dry-run ${GPU_PASS_LOAD_ARGS:-}
 	part scale "$(budget scale 60)" "$PY" bench/scale.py --dry-run --full --out "$PASS_DIR/scale_${KIND}.json" \
 		${GPU_PASS_SCALE_ARGS:-}
@@ -163,6 +167,8 @@ else
 		--out "$PASS_DIR/kernels_${KIND}_quick.json" ${GPU_PASS_KERNELS_ARGS:-}
 	part e2e "$(budget e2e 90)" "$PY" bench/e2e.py --device cuda --quick --model flux \
 		--rows eager,ours-w8a8-eager,ours-fp8-eager --out "$PASS_DIR/e2e_${KIND}_quick.json" ${GPU_PASS_E2E_ARGS:-}
+	part families "$(budget families 120)" "$PY" bench/families_device.py --device cuda \
+		--out "$PASS_DIR/families_${KIND}.json" ${GPU_PASS_FAMILIES_ARGS:-}
 	# the load's JSON goes under "load" in scale_<kind>.json, which scale.py then keeps
 	part load "$(budget load 270)" "$PY" bench/scale_load.py --device cuda --full \
 		--out "$PASS_DIR/scale_${KIND}.json" ${GPU_PASS_LOAD_ARGS:-}
@@ -173,7 +179,7 @@ else
 fi
 
 shopt -s nullglob
-for f in "$PASS_DIR"/kernels_*.json "$PASS_DIR"/e2e_*.json "$PASS_DIR"/scale_*.json; do
+for f in "$PASS_DIR"/kernels_*.json "$PASS_DIR"/e2e_*.json "$PASS_DIR"/families_*.json "$PASS_DIR"/scale_*.json; do
 	cp "$f" "$RESULTS/" && say "copied ${f##*/} to $RESULTS/"
 done
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PARTS = ["wheels", "tests", "kernels", "e2e", "load", "scale"]
+PARTS = ["wheels", "tests", "kernels", "e2e", "families", "load", "scale"]
 
 
 def _pass(tmp_path: Path, **env: str) -> tuple[subprocess.CompletedProcess, Path]:
@@ -62,7 +62,12 @@ def test_dry_run_passes_every_part_and_writes_the_summary(dry_run):
     for p in summary["parts"]:
         assert (p["status"], p["exit_code"]) == ("passed", 0), p
         assert 0 < p["seconds"] <= p["budget_s"]
-    assert summary["results"] == ["e2e_cpu_quick.json", "kernels_cpu_quick.json", "scale_cpu.json"]
+    assert summary["results"] == [
+        "e2e_cpu_quick.json",
+        "families_cpu.json",
+        "kernels_cpu_quick.json",
+        "scale_cpu.json",
+    ]
     text = (out / "summary.txt").read_text()
     assert text.splitlines()[-1] == "PASSED (cpu, dry run)"
     assert all(f"\n{name} " in text for name in PARTS)
