@@ -403,8 +403,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--debug", action="store_true", help="show full tracebacks")
     sub = p.add_subparsers(dest="command", required=True)
 
-    from sdkiln.model_zoo import spec_names
-
     o = sub.add_parser(
         "optimize",
         help="apply a recipe to a model and write a package",
@@ -415,7 +413,7 @@ def build_parser() -> argparse.ArgumentParser:
         "model",
         nargs="?",
         default=None,
-        help=f"zoo name ({', '.join(spec_names())}), a local diffusers directory or "
+        help="a zoo name (listed below: <family>-tiny, fmnist-flux), a local diffusers directory or "
         "modelscope://ORG/NAME; default: the embedded model",
     )
     o.add_argument(

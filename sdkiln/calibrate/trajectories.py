@@ -49,6 +49,7 @@ class _ReplayStub(ModelHook):
         if key not in self.shapes:
             out = self.fn_ref.original_forward(*args, **kwargs)
             self.shapes[key] = tuple((out[0] if isinstance(out, tuple) else out.sample).shape)
+            reset_cache(module)  # what a cache schedule stored in that call is not the replay's
         zeros = hidden.new_zeros(self.shapes[key])
         return (
             (zeros,) if kwargs.get("return_dict", True) is False else Transformer2DModelOutput(sample=zeros)

@@ -256,7 +256,7 @@ def export_ascend(
     """
     pkg = open_package(package)
     manifest = pkg.manifest
-    get_spec(manifest["model"]["family"], manifest["model"].get("variant")).refuse("ascend")
+    get_spec(manifest["model"]["family"]).refuse("ascend")  # refusals are the family's
     attr = manifest["model"]["transformer_attr"]
     tensors = component_tensors(pkg, attr)
     files = ascend_files(manifest, tensors, _deploy_dtype(manifest["model"].get("dtype"), dtype))

@@ -33,6 +33,7 @@ from sdkiln.export.atomic import atomic_directory, check_export_target
 from sdkiln.export.onnx_ops import MIN_OPSET, translations
 from sdkiln.extras import require
 from sdkiln.model_zoo import get_spec
+from sdkiln.model_zoo.spec import with_area
 from sdkiln.runtime.package import open_package
 from sdkiln.runtime.quant import scheme_classes
 
@@ -144,6 +145,7 @@ def capture_inputs(pipe, height: int | None, width: int | None) -> dict[str, tor
         kwargs["height"] = height
     if width is not None:
         kwargs["width"] = width
+    with_area(kwargs)
     handle = transformer.register_forward_pre_hook(grab, with_kwargs=True)
     try:
         with torch.inference_mode():
@@ -210,7 +212,7 @@ def export_onnx(
     target = Path(out_dir)
     _check_out(target, force)
     pkg = open_package(package)
-    get_spec(pkg.manifest["model"]["family"], pkg.manifest["model"].get("variant")).refuse("onnx")
+    get_spec(pkg.manifest["model"]["family"]).refuse("onnx")  # refusals are the family's
     schemes = _check_package(pkg.manifest)
     opset = _check_opset(opset, bool(schemes))
     pipe = load(pkg.root, "cpu", digest=pkg.digest)  # the directory verified above

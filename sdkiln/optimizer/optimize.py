@@ -6,6 +6,7 @@ import contextlib
 import copy
 import dataclasses
 import functools
+import inspect
 import os
 import sys
 from collections.abc import Callable
@@ -27,7 +28,7 @@ from sdkiln.model_zoo.fingerprint import fingerprint
 from sdkiln.optimizer.evaluate import default_eval_batch, measure, reference
 from sdkiln.optimizer.plan import OPTIMIZE_LOG, PhaseMeter, make_plan, peak_host_bytes
 from sdkiln.optimizer.recipes import resolve_recipe
-from sdkiln.optimizer.registry import TransformContext, apply_transform
+from sdkiln.optimizer.registry import TransformContext, apply_transform, refuse_steps
 from sdkiln.runtime.restore import CORE_FIELDS
 
 DEFAULT_EVAL_SAMPLES = 20
@@ -178,6 +179,9 @@ def optimize(
         if target is not None:
             base.to(target)
         recipe = resolve_recipe(asked, spec)  # "default" is the family's
+        refuse_steps(spec, recipe.steps)
+        if format == "ascend":
+            spec.refuse("ascend")
         if deployment is not None:
             recipe = dataclasses.replace(
                 recipe, deployment=recipe.deployment.merged(deployment, "the optimize call")
@@ -203,11 +207,13 @@ def optimize(
         if by_name or in_place:
             optimized, kept_base = base, None
         else:
-            # from_pipe keeps the pipeline's own settings (Wan2.2 TI2V-5B's expand_timesteps)
-            optimized = type(base).from_pipe(base, **{attr: copy.deepcopy(base_transformer)})
+            # the pipeline's registered settings go along (Wan2.2 TI2V-5B's expand_timesteps); not
+            # from_pipe, which casts every component to one dtype (float32 by default)
+            params = inspect.signature(type(base).__init__).parameters
+            settings = {k: v for k, v in base.config.items() if k in params and k not in base.components}
+            optimized = type(base)(**{**base.components, **settings, attr: copy.deepcopy(base_transformer)})
             kept_base = base
         ctx = TransformContext(pipeline=optimized, spec=spec, forward_loop=forward_loop, recipe=recipe)
-        ctx.check_capabilities()
         ctx.check_deployment()
         call = ctx.call_kwargs()
         batch = eval_batch or default_eval_batch(call)

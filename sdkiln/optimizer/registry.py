@@ -45,15 +45,6 @@ class TransformContext:
             max_sequence_length=d.max_sequence_length,
         )
 
-    def check_capabilities(self) -> None:
-        """The family's one-line refusal (``ModelSpec.refusals``) of a recipe step it cannot take,
-        before anything runs."""
-        steps = self.recipe.steps if self.recipe is not None else ()
-        for step in steps:
-            capability = step_capability(step)
-            if capability is not None:
-                self.spec.refuse(capability)
-
     def check_deployment(self) -> None:
         """Refuse a resolution setting the family's pipeline call does not take (``num_frames`` for
         an image model) or cannot take (a height that is not a multiple of its ``size_multiple``, a
@@ -112,6 +103,14 @@ def step_capability(step: RecipeStep) -> str | None:
     if step.transform_module.startswith("sdkiln.optimizer.quant"):
         return "quant"
     return None
+
+
+def refuse_steps(spec, steps) -> None:
+    """The family's one-line refusal (``ModelSpec.refusals``) of a recipe step it cannot take."""
+    for step in steps:
+        capability = step_capability(step)
+        if capability is not None:
+            spec.refuse(capability)
 
 
 Transform = Callable[[TransformContext, RecipeStep], TransformResult]

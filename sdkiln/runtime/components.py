@@ -419,10 +419,11 @@ def load_component(
         isinstance(declared, type)
         and issubclass(declared, nn.Module)
         and not issubclass(cls, declared)
-        # transformers' heads of one model share its config class (CLIPVisionModelWithProjection for
-        # a pipeline typed CLIPVisionModel: Wan image-to-video's published image encoder)
+        # a head of the declared model on its config (CLIPVisionModelWithProjection for a pipeline typed
+        # CLIPVisionModel: Wan image-to-video's published image encoder), not any model of that config
         and not (
             library == "transformers"
+            and cls.__name__.startswith(declared.__name__)
             and getattr(cls, "config_class", None) is getattr(declared, "config_class", 0)
         )
     ):
