@@ -34,16 +34,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from sdkiln.model_zoo.spec import (
-    AttentionSite,
-    BlockList,
-    ModelSpec,
-    ParallelPlan,
-    SequenceGather,
-    SequenceSplit,
-    TokenGrid,
-    Variant,
-)
+from sdkiln.model_zoo.spec import ModelSpec, Variant
+from sdkiln.model_zoo.wan import SPEC as WAN_SPEC
 
 if TYPE_CHECKING:
     from diffusers import WanImageToVideoPipeline
@@ -205,7 +197,7 @@ SPEC = ModelSpec(
     pipeline_class="diffusers:WanImageToVideoPipeline",
     cfg_calls=("guidance_scale",),
     transformer_attr="transformer",
-    block_lists=(BlockList("blocks", inputs=("hidden_states",), outputs=("hidden_states",)),),
+    block_lists=WAN_SPEC.block_lists,
     float_layers=(),
     default_recipe="quant-auto+cache-auto+sparse-attn",
     build=tiny,
@@ -220,22 +212,12 @@ SPEC = ModelSpec(
     # image keys (CLIP tokens), then over the text keys. A site has one key place for all its calls, so
     # the image keys are labelled "all" (text) too: wrong as a label, right for what the backends read
     # from it (keys that are whole on every rank and stay dense).
-    attention=(
-        AttentionSite("blocks.*.attn1", "WanAttnProcessor", "dispatch", "none", "none"),
-        AttentionSite("blocks.*.attn2", "WanAttnProcessor", "dispatch", "none", "all"),
-    ),
-    # diffusers' WanTransformer3DModel._cp_plan, as in wan.py: the video tokens are split at the first
-    # block with their RoPE tables; the context (image tokens, then text) stays whole on every rank.
-    parallel_plan=ParallelPlan(
-        splits=(
-            SequenceSplit("rope", 0, 1, 4, output=True),
-            SequenceSplit("rope", 1, 1, 4, output=True),
-            SequenceSplit("blocks.0", "hidden_states", 1, 3),
-            SequenceSplit("", "timestep", 1, 2),
-        ),
-        gathers=(SequenceGather("proj_out", 1, 3),),
-    ),
-    token_grid=TokenGrid("hidden_states", "latents", (1, 2, 2)),
+    # the same transformer class as Wan text-to-video: its sites, its _cp_plan (the video tokens split at
+    # the first block with their RoPE tables; the context, image tokens then text, whole on every rank)
+    # and its latent grid
+    attention=WAN_SPEC.attention,
+    parallel_plan=WAN_SPEC.parallel_plan,
+    token_grid=WAN_SPEC.token_grid,
     variants=WAN_I2V_VARIANTS,
     image_arg="image",
     image_required=True,
