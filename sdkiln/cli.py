@@ -97,9 +97,12 @@ def cmd_optimize(args) -> int:
         device=args.device,
         eval_batch=args.eval_batch,
     )
+    experts = "".join(
+        f", {len(e.get('modules', {}))} in {attr}" for attr, e in result.manifest.get("experts", {}).items()
+    )
     print(
         f"optimized {result.manifest['model']['base_id']} with recipe {args.recipe!r}: "
-        f"{len(result.manifest['modules'])} layers quantized"
+        f"{len(result.manifest['modules'])} layers quantized{experts}"
     )
     print("\n".join(_quality_lines(result.quality or {}, "measured now and stored in the package")))
     print(f"package: {result.package}  ({time.perf_counter() - t0:.1f} s)")
@@ -154,9 +157,13 @@ def cmd_inspect(args) -> int:
         )
     if summary.get("cache"):
         c = summary["cache"]
+        steps = (
+            f"steps {c['steps'][0]}-{c['steps'][1]} of {c['num_steps']}"
+            if summary["experts"]
+            else f"{c['num_steps']} steps"
+        )
         print(
-            f"cache schedule: {c['num_steps']} steps, {c['block_evaluations_ratio']:.3f}x block evaluations; "
-            f"actions {' '.join(c['actions'])}"
+            f"cache schedule: {steps}, {c['block_evaluations_ratio']:.3f}x block evaluations; actions {' '.join(c['actions'])}"
         )
         if c.get("guard"):
             g, held = c["guard"], c["guard"].get("forced_on_held_out") or {}
@@ -164,6 +171,15 @@ def cmd_inspect(args) -> int:
                 f"cache guard: {g['indicator']} above {g['quantile']:g}-quantile x {g['margin']:g} of calibration runs "
                 f"the step full (held-out: {held.get('forced', '?')} of {held.get('checks', '?')} reuse checks forced)"
             )
+    for attr, e in summary["experts"].items():
+        c = e["cache"]
+        cache = (
+            f"; cache steps {c['steps'][0]}-{c['steps'][1]}, {c['block_evaluations_ratio']:.3f}x block evaluations, "
+            f"actions {' '.join(c['actions'])}"
+            if c
+            else ""
+        )
+        print(f"expert {attr}: {e['layers_quantized']} layers quantized {e['schemes']}{cache}")
     for kind, ratio in summary["gptq"].items():
         print(
             f"{kind}: weights rounded by GPTQ (median calibration output error {ratio:.3f}x nearest rounding's)"
@@ -193,13 +209,18 @@ def cmd_eval(args) -> int:
     # the package's family and variant decide, not what the base is detected as (a package made
     # before variants records the zoo name, "flux-tiny", and no variant: the zoo build)
     spec = get_spec(info["family"], info.get("variant"))
-    found = fingerprint(getattr(base, info["transformer_attr"]))
-    for key in ("config_hash", "weights_hash"):
-        if found[key] != info[key]:
-            raise ModelError(
-                f"{Path(args.package) / 'manifest.json'}: base model {info['base_id']!r} does not match the package "
-                f"({key.replace('_', ' ')} {found[key][:12]} != {info[key][:12]})"
-            )
+    models = {
+        info["transformer_attr"]: info,
+        **{a: e["model"] for a, e in manifest.get("experts", {}).items()},
+    }
+    for attr, recorded in models.items():  # each transformer (Wan2.2-A14B: both experts)
+        found = fingerprint(getattr(base, attr))
+        for key in ("config_hash", "weights_hash"):
+            if found[key] != recorded[key]:
+                raise ModelError(
+                    f"{Path(args.package) / 'manifest.json'}: base model {info['base_id']!r} does not match the "
+                    f"package ({attr} {key.replace('_', ' ')} {found[key][:12]} != {recorded[key][:12]})"
+                )
     call = dict(manifest["call"]["defaults"])  # the deployment the package was made for
     if args.steps is not None:
         call["num_inference_steps"] = args.steps

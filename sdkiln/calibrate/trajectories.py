@@ -5,7 +5,8 @@ the whole pipeline for every candidate would cost the ``s`` steps before it agai
 ``Trajectories`` records the uncached run's latents before every step once (``reference``), and a
 partial run (``run(schedule, start, stop)``) replays the steps before ``start`` with a stub
 transformer that costs nothing (its output is discarded: the latents before ``start`` are replaced
-by the recorded ones in the pipeline's step callback), runs steps ``start .. stop`` for real, and
+by the recorded ones in the pipeline's step callback; every transformer of the pipeline's, so a
+Wan2.2-A14B expert's run replays the other expert's steps too), runs steps ``start .. stop`` for real, and
 stops the pipeline after step ``stop``. Any pipeline with ``callback_on_step_end`` and
 ``output_type="latent"`` works, including its classifier-free guidance, unchanged.
 
@@ -36,9 +37,9 @@ class _ReplayStub(ModelHook):
     the output's shape, which is the model's to say (Wan image-to-video reads 36 channels and returns
     16): ``shapes`` maps an input's shape to it, learnt from one real call per input shape."""
 
-    def __init__(self, tracker, start: int, shapes: dict):
+    def __init__(self, tracker, start: int, shapes: dict, searched: bool = True):
         super().__init__()
-        self.tracker, self.start, self.shapes = tracker, start, shapes
+        self.tracker, self.start, self.shapes, self.searched = tracker, start, shapes, searched
 
     def new_forward(self, module, *args, **kwargs):
         self.tracker.update()
@@ -49,7 +50,8 @@ class _ReplayStub(ModelHook):
         if key not in self.shapes:
             out = self.fn_ref.original_forward(*args, **kwargs)
             self.shapes[key] = tuple((out[0] if isinstance(out, tuple) else out.sample).shape)
-            reset_cache(module)  # what a cache schedule stored in that call is not the replay's
+            if self.searched:  # what a cache schedule stored in that call is not the replay's
+                reset_cache(module)  # (another expert's schedule, replayed whole, keeps its full step)
         zeros = hidden.new_zeros(self.shapes[key])
         return (
             (zeros,) if kwargs.get("return_dict", True) is False else Transformer2DModelOutput(sample=zeros)
@@ -148,12 +150,17 @@ class Trajectories:
             return after
         had_tracker = step_tracker(self.transformer) is not None
         tracker = attach_step_tracker(self.pipeline, self.spec.transformer_attr)
-        registry = HookRegistry.check_if_exists_or_initialize(self.transformer)
-        registry.register_hook(_ReplayStub(tracker, start, self._output_shapes), STUB_HOOK)
+        # every transformer of the pipeline replays: an expert's window may start after another's steps
+        replayed = [c for c in self.pipeline.components.values() if type(c) is type(self.transformer)]
+        registries = [HookRegistry.check_if_exists_or_initialize(c) for c in replayed]
+        for registry, c in zip(registries, replayed, strict=True):
+            stub = _ReplayStub(tracker, start, self._output_shapes, searched=c is self.transformer)
+            registry.register_hook(stub, STUB_HOOK)
         try:
             self._call(callback)
         finally:
-            registry.remove_hook(STUB_HOOK, recurse=False)
+            for registry in registries:
+                registry.remove_hook(STUB_HOOK, recurse=False)
             if not had_tracker:  # leave the pipeline as it was found
                 detach_step_tracker(self.transformer)
         return after

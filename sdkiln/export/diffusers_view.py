@@ -58,6 +58,11 @@ class DiffusersView:
 
 
 def _check_package(manifest: dict[str, Any]) -> dict[str, int]:
+    if "experts" in manifest:
+        raise SdkilnError(
+            f"the diffusers view writes one transformer, and this package has others too "
+            f"({', '.join(manifest['experts'])}: Wan2.2-A14B's experts); load it with sdkiln.load"
+        )
     if "sparse_attention" in manifest:
         raise SdkilnError(
             "the diffusers view cannot carry block-sparse attention: export a package without it"

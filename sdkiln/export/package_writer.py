@@ -71,11 +71,13 @@ def _write_json(path: Path, data: Any) -> None:
 
 
 def _write_components(
-    tmp: Path, pipeline, transformer_attr: str, dtype: torch.dtype | None, max_shard_bytes: int
-) -> tuple[list[str], dict[str, tuple[str, int]]]:
+    tmp: Path, pipeline, transformer_attrs: tuple[str, ...], dtype: torch.dtype | None, max_shard_bytes: int
+) -> tuple[dict[str, list[str]], dict[str, tuple[str, int]]]:
+    """Every component; each transformer streamed tensor by tensor. Returns each transformer's
+    non-persistent buffers and the (sha256, size) of every file the shard writer hashed."""
     pipeline.save_config(tmp)  # model_index.json
     for name, component in pipeline.components.items():
-        if component is None or name == transformer_attr:
+        if component is None or name in transformer_attrs:
             continue
         if not hasattr(component, "save_pretrained"):
             raise PackageError(
@@ -85,12 +87,15 @@ def _write_components(
         # file the loader reads under its strict JSON limits, rather than a chat_template.jinja beside it
         chat = {"save_jinja_files": False} if getattr(component, "chat_template", None) is not None else {}
         component.save_pretrained(tmp / name, **chat)
-    transformer = getattr(pipeline, transformer_attr)
-    transformer.save_config(tmp / transformer_attr)
-    planned, extra = transformer_tensors(transformer, dtype)
+    extras, hashed = {}, {}
     stem = TRANSFORMER_WEIGHTS.removesuffix(".safetensors")
-    written = write_shards(tmp / transformer_attr, stem, planned, max_shard_bytes)
-    return extra, {f"{transformer_attr}/{name}": value for name, value in written.items()}
+    for attr in transformer_attrs:
+        transformer = getattr(pipeline, attr)
+        transformer.save_config(tmp / attr)
+        planned, extras[attr] = transformer_tensors(transformer, dtype)
+        written = write_shards(tmp / attr, stem, planned, max_shard_bytes)
+        hashed.update({f"{attr}/{name}": value for name, value in written.items()})
+    return extras, hashed
 
 
 def _write_extra(tmp: Path, extra_files: dict[str, Any]) -> None:
@@ -140,7 +145,7 @@ def write_package(
     pipeline,
     manifest: dict[str, Any],
     quality: dict[str, Any],
-    transformer_attr: str,
+    transformer_attrs: str | tuple[str, ...],
     force: bool = False,
     extra_files: dict[str, Any] | None = None,
     max_shard_bytes: int = MAX_SHARD_BYTES,
@@ -150,15 +155,18 @@ def write_package(
     ``manifest`` carries model/recipe/modules; this function adds format, versions, time and files.
     ``extra_files`` maps package paths to tensors (``.safetensors``), JSON objects (``.json``) or
     PNG bytes (``.png``). ``force`` lets it replace what ``check_replaceable`` allows; another
-    sdkiln process writing ``out_dir`` at the same time makes it raise ``PackageError``. The
-    transformer is streamed to shards of at most ``max_shard_bytes`` (``export.shards``), its float
-    layers in the model's dtype (``manifest["model"]["dtype"]``).
+    sdkiln process writing ``out_dir`` at the same time makes it raise ``PackageError``. Each of
+    ``transformer_attrs`` (the pipeline's transformer, then any other expert, whose entry in
+    ``manifest["experts"]`` gets its non-persistent buffers) is streamed to shards of at most
+    ``max_shard_bytes`` (``export.shards``), its float layers in the model's dtype
+    (``manifest["model"]["dtype"]``).
     """
     target = Path(out_dir)
     with atomic_directory(target, check=lambda t: check_replaceable(t, force)) as tmp:
         dtype = getattr(torch, manifest.get("model", {}).get("dtype") or "", None)
         dtype = dtype if isinstance(dtype, torch.dtype) and dtype.itemsize == 2 else None
-        extra, hashed = _write_components(tmp, pipeline, transformer_attr, dtype, max_shard_bytes)
+        attrs = (transformer_attrs,) if isinstance(transformer_attrs, str) else tuple(transformer_attrs)
+        extras, hashed = _write_components(tmp, pipeline, attrs, dtype, max_shard_bytes)
         _write_json(tmp / QUALITY_REPORT, quality)
         _write_extra(tmp, extra_files or {})
         files = {}
@@ -179,6 +187,9 @@ def write_package(
             **manifest,
             "files": files,
         }
-        full["model"] = {**full["model"], "nonpersistent_buffers": extra}
+        full["model"] = {**full["model"], "nonpersistent_buffers": extras[attrs[0]]}
+        for attr in attrs[1:]:  # the other transformers' (Wan2.2-A14B's transformer_2)
+            expert = full["experts"][attr]
+            expert["model"] = {**expert["model"], "nonpersistent_buffers": extras[attr]}
         _write_json(tmp / MANIFEST, full)
     return target

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from sdkiln.errors import PackageError
 from sdkiln.runtime.cache.restore import schedule_file
 from sdkiln.runtime.cache.schedule import CacheSchedule
 from sdkiln.runtime.components import stored_infos
+from sdkiln.runtime.experts import expert_views
 from sdkiln.runtime.package import Package
 from sdkiln.runtime.restore import sections_of
 from sdkiln.runtime.safetensors_data import DTYPES
@@ -30,11 +32,32 @@ def summarize(pkg: Package) -> dict[str, Any]:
     in both and is not counted.
     """
     m = pkg.manifest
+    float_layers = sorted(
+        {n for step in m["recipe"]["steps"] for n in step["result"].get("float", [])} - set(m["modules"])
+    )
+    return {
+        "sections": [s.name for s in sections_of(m)],
+        "recipe": m["recipe"]["name"],
+        "steps": [s["config"]["kind"] for s in m["recipe"]["steps"]],
+        **_transformer(pkg, m),
+        "layers_float": len(float_layers),
+        "float_layer_names": float_layers,
+        "package_bytes": sum(f["size"] for f in m["files"].values()),
+        "gptq": {
+            s["config"]["kind"]: s["result"]["gptq_error_ratio_median"]
+            for s in m["recipe"]["steps"]
+            if s["result"].get("weight_rounding") == "gptq"
+        },
+        "experts": {attr: _transformer(pkg, view) for attr, view in expert_views(m).items()}
+        if "experts" in m
+        else {},
+    }
+
+
+def _transformer(pkg: Package, m: dict[str, Any]) -> dict[str, Any]:
+    """One transformer's part, from the manifest ``m`` (the package's, or an expert's view of it)."""
     attr = m["model"]["transformer_attr"]
     modules = m["modules"]
-    float_layers = sorted(
-        {n for step in m["recipe"]["steps"] for n in step["result"].get("float", [])} - set(modules)
-    )
     qbytes = fbytes = 0
     infos = stored_infos(pkg, attr)
     for layer in modules:
@@ -51,10 +74,23 @@ def summarize(pkg: Package) -> dict[str, Any]:
     where = schedule_file(m)
     if where is not None:
         schedule = CacheSchedule.from_dict(pkg.read_json(where), where)
+        window = schedule.search.get("steps", [0, schedule.num_steps - 1])  # the steps it runs
+        if not (
+            isinstance(window, list)
+            and [type(v) for v in window] == [int, int]
+            and 0 <= window[0] <= window[1] < schedule.num_steps
+        ):
+            raise PackageError(
+                f"{where}: search.steps must be [first, last] steps of the run, got {window!r}"
+            )
+        first, last = window
+        actions = next(iter(schedule.actions.values()))[first : last + 1]
+        n = schedule.num_blocks
         cache = {
             "num_steps": schedule.num_steps,
-            "block_evaluations_ratio": schedule.block_evaluations_ratio(),
-            "actions": [str(a) for a in next(iter(schedule.actions.values()))],
+            "steps": [first, last],
+            "block_evaluations_ratio": sum(a.block_evaluations(n) for a in actions) / (n * len(actions)),
+            "actions": [str(a) for a in actions],
             "expected": schedule.expected,
             "guard": None
             if not schedule.guards
@@ -62,24 +98,13 @@ def summarize(pkg: Package) -> dict[str, Any]:
             | {"forced_on_held_out": schedule.expected.get("guard")},
         }
     return {
-        "sections": [s.name for s in sections_of(m)],
-        "recipe": m["recipe"]["name"],
-        "steps": [s["config"]["kind"] for s in m["recipe"]["steps"]],
         "layers_quantized": len(modules),
-        "layers_float": len(float_layers),
-        "float_layer_names": float_layers,
         "schemes": schemes,
         "quantized_bytes": qbytes,
         "quantized_float_bytes": fbytes,
         "quantized_ratio": (qbytes / fbytes) if fbytes else None,
         "transformer_bytes": total,
-        "package_bytes": sum(f["size"] for f in m["files"].values()),
         "cache": cache,
-        "gptq": {
-            s["config"]["kind"]: s["result"]["gptq_error_ratio_median"]
-            for s in m["recipe"]["steps"]
-            if s["result"].get("weight_rounding") == "gptq"
-        },
     }
 
 

@@ -29,6 +29,7 @@ _FAMILY_MODULES = {
     "sd3": "sdkiln.model_zoo.sd3",
     "wan": "sdkiln.model_zoo.wan",
     "wan-i2v": "sdkiln.model_zoo.wan_i2v",
+    "wan2.2-a14b": "sdkiln.model_zoo.wan22_a14b",
 }
 # zoo name (a model `optimize` builds by name; the family packages made before variants record) -> family
 _ZOO = {
@@ -41,6 +42,7 @@ _ZOO = {
     "sd3-tiny": "sd3",
     "wan-tiny": "wan",
     "wan-i2v-tiny": "wan-i2v",
+    "wan2.2-a14b-tiny": "wan2.2-a14b",
 }
 DEFAULT_MODEL = "fmnist-flux"
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -84,18 +86,29 @@ def families_help() -> str:
     return "\n".join(lines)
 
 
+def _family_of(class_name: str, index: Mapping[str, Any]) -> ModelSpec | None:
+    """The family of a pipeline of class ``class_name`` whose config is ``index``: of the families of
+    that class whose ``layout`` the config sets, the one naming the most entries (Wan2.2-A14B's two
+    experts ahead of Wan's one transformer); None when no family has the class."""
+    fitting = [
+        spec
+        for spec in _families()
+        if spec.pipeline_class.split(":")[-1] == class_name and spec.matches_layout(index)
+    ]
+    return max(fitting, key=lambda spec: len(spec.layout), default=None)
+
+
 def spec_for_pipeline(pipeline) -> ModelSpec:
     """The spec whose pipeline class matches ``pipeline``, resolved to the variant its transformer's
     config is (for a pipeline object given to ``optimize``)."""
-    cls = f"{type(pipeline).__module__}:{type(pipeline).__name__}"
     short = type(pipeline).__name__
-    for spec in _families():
-        if spec.pipeline_class == cls or spec.pipeline_class.split(":")[-1] == short:
-            spec.refuse_layout(pipeline.config, f"{short} object")
-            return spec.detect(getattr(pipeline, spec.transformer_attr).config, f"{short} object")
-    raise ModelError(
-        f"no sdkiln model spec for pipeline class {short}; known families: {', '.join(_FAMILY_MODULES)}"
-    )
+    spec = _family_of(short, pipeline.config)
+    if spec is None:
+        raise ModelError(
+            f"no sdkiln model spec for pipeline class {short}; known families: {', '.join(_FAMILY_MODULES)}"
+        )
+    spec.refuse_layout(pipeline.config, f"{short} object")
+    return spec.detect(getattr(pipeline, spec.transformer_attr).config, f"{short} object")
 
 
 def _read_json(path: Path, what: str) -> dict[str, Any]:
@@ -131,14 +144,14 @@ def detect(directory: Path) -> ModelSpec:
     (model_index.json and the transformer's config.json; no weights are read)."""
     index = _read_json(directory / "model_index.json", "model index")
     class_name = index.get("_class_name")
-    for spec in _families():
-        if spec.pipeline_class.split(":")[-1] == class_name:
-            spec.refuse_layout(index, str(directory))
-            return spec.detect(_transformer_config(directory, index, spec.transformer_attr), str(directory))
-    raise ModelError(
-        f"{directory / 'model_index.json'}: pipeline class {class_name} has no sdkiln model spec "
-        f"({', '.join(_FAMILY_MODULES)})"
-    )
+    spec = _family_of(str(class_name), index)
+    if spec is None:
+        raise ModelError(
+            f"{directory / 'model_index.json'}: pipeline class {class_name} has no sdkiln model spec "
+            f"({', '.join(_FAMILY_MODULES)})"
+        )
+    spec.refuse_layout(index, str(directory))
+    return spec.detect(_transformer_config(directory, index, spec.transformer_attr), str(directory))
 
 
 def stored_dtype(directory: Path, component: str) -> torch.dtype | None:

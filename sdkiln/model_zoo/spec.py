@@ -284,10 +284,21 @@ class ModelSpec:
     """Capabilities (``CAPABILITIES``) this family refuses, each with its reason: asking for one is the
     one-line ``ModelError`` of ``refuse``, raised where the capability starts."""
     unsupported_layout: dict[str, str] = field(default_factory=dict)
-    """model_index.json entries that, set, mean a layout sdkiln does not run yet, each with the reason
-    (Wan2.2's second expert ``transformer_2``)."""
+    """model_index.json entries that, set, mean a layout sdkiln does not run yet, each with the reason."""
+    experts: tuple[str, ...] = ()
+    """The pipeline's other transformers besides ``transformer_attr`` (Wan2.2-A14B's low-noise
+    ``transformer_2``), each its own model: calibrated on the steps it runs, quantized, cache-searched
+    and packaged on its own (``transformer_attrs``)."""
+    layout: tuple[str, ...] = ()
+    """model_index.json entries every directory of this family sets (Wan2.2-A14B: ``transformer_2``
+    and ``boundary_ratio``): a pipeline of the class that sets them all is this family's, ahead of a
+    family of the same pipeline class that names fewer (``matches_layout``)."""
 
     def __post_init__(self) -> None:
+        if not set(self.experts) <= set(self.layout):
+            raise ValueError(
+                f"{self.family}: every expert must be in layout (the entries its directories set)"
+            )
         unknown = set(self.refusals) - set(CAPABILITIES)
         if unknown:
             raise ValueError(
@@ -319,6 +330,15 @@ class ModelSpec:
 
     def variant_names(self) -> list[str]:
         return [v.name for v in self.variants]
+
+    @property
+    def transformer_attrs(self) -> tuple[str, ...]:
+        """Every transformer the pipeline holds and ``optimize`` optimizes, the first one first."""
+        return (self.transformer_attr, *self.experts)
+
+    def matches_layout(self, index: Mapping[str, Any]) -> bool:
+        """Whether the pipeline config ``index`` (model_index.json) sets every ``layout`` entry."""
+        return all(_plain(index.get(key)) not in (None, [None, None]) for key in self.layout)
 
     def refuse_layout(self, index: Mapping[str, Any], where: str) -> None:
         """ModelError when the pipeline config ``index`` (model_index.json) sets an ``unsupported_layout`` entry."""

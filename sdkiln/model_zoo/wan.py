@@ -21,8 +21,8 @@ tokens per frame) and ``expand_timesteps`` set in model_index.json: the pipeline
 per-token timestep [B, S], which the parallel plan splits with the video tokens. Its defaults are the
 model card's: 121 frames at 704x1280, 50 steps, guidance 5.0.
 Wan2.2-T2V-A14B has Wan2.1-14B's width but two experts, ``transformer`` for high noise and
-``transformer_2`` below ``boundary_ratio``: a directory that sets either is refused before anything
-loads (TI2V-5B sets neither: ``transformer_2`` is [null, null], ``boundary_ratio`` null).
+``transformer_2`` below ``boundary_ratio``: a directory that sets both is the ``wan2.2-a14b`` family's
+(``wan22_a14b.py``; TI2V-5B sets neither: ``transformer_2`` is [null, null], ``boundary_ratio`` null).
 """
 
 from __future__ import annotations
@@ -166,10 +166,9 @@ WAN_VARIANTS = (
         sparse_block_size=16,
     ),
 )
-_TWO_EXPERTS = (
-    "Wan2.2's two-expert layout is not supported yet; sdkiln optimizes one transformer, not a second one "
-    "(transformer_2) taking over below boundary_ratio "
-    "(supported: Wan2.1-T2V-1.3B, Wan2.1-T2V-14B, Wan2.2-TI2V-5B)"
+_HALF_LAYOUT = (
+    "a WanPipeline sets transformer_2 or boundary_ratio but not both: neither Wan's one transformer nor "
+    "Wan2.2-A14B's two experts (the wan2.2-a14b family, which needs both)"
 )
 
 SPEC = ModelSpec(
@@ -208,5 +207,5 @@ SPEC = ModelSpec(
     # the latents [B, C, F, H, W], patchified (1, 2, 2) into tokens in (frame, row, column) order
     token_grid=TokenGrid("hidden_states", "latents", (1, 2, 2)),
     variants=WAN_VARIANTS,
-    unsupported_layout={key: _TWO_EXPERTS for key in ("transformer_2", "boundary_ratio")},
+    unsupported_layout={key: _HALF_LAYOUT for key in ("transformer_2", "boundary_ratio")},
 ).resolve("tiny")

@@ -150,8 +150,9 @@ def measure(
     """The report of ``optimized`` against the reference samples, and its images."""
     call = ref.call
     batch_size = batch_size or default_eval_batch(call)
-    runner = cache_runner(getattr(optimized, spec.transformer_attr))
-    if runner is not None:
+    # every transformer's schedule (Wan2.2-A14B: each expert has its own)
+    runners = [r for a in spec.transformer_attrs if (r := cache_runner(getattr(optimized, a))) is not None]
+    for runner in runners:
         runner.reset_counters()
     with bounded_decode(optimized, call):
         opt_imgs, opt_lat = generate(
@@ -173,9 +174,9 @@ def measure(
         "prompts": sorted(set(prompts)),
         "psnr_per_sample": [round(float(p), 3) for p in psnr],
     }
-    if runner is not None:  # transformer block evaluations with the schedule over those without
-        report["block_evaluations_ratio"] = runner.block_evaluations / (
-            runner.transformer_calls * runner.num_blocks
+    if runners:  # transformer block evaluations with the schedules over those without
+        report["block_evaluations_ratio"] = sum(r.block_evaluations for r in runners) / sum(
+            r.transformer_calls * r.num_blocks for r in runners
         )
     if spec.metrics is not None:
         report.update(spec.metrics(opt_imgs, prompts))

@@ -91,6 +91,38 @@ def _merge_sections(sections: dict[str, Any], new: dict[str, Any], kind: str) ->
         sections[name] = entry
 
 
+EXPERTS_DIR = "experts"
+"""Package files of a pipeline's other transformers' steps sit under ``experts/<attr>/``."""
+
+
+def _expert_result(result: Any, attr: str) -> Any:
+    """A recipe step's result on the expert ``attr``, its files moved under ``experts/<attr>/`` and
+    the section entries that name them (``{"file": ...}``) following."""
+    moved = {rel: f"{EXPERTS_DIR}/{attr}/{rel}" for rel in result.files}
+
+    def follow(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: follow(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [follow(v) for v in value]
+        return moved.get(value, value) if isinstance(value, str) else value
+
+    return dataclasses.replace(
+        result,
+        files={moved[rel]: content for rel, content in result.files.items()},
+        sections=follow(result.sections),
+    )
+
+
+def _model_fields(transformer: torch.nn.Module) -> dict[str, Any]:
+    """What the manifest records of one transformer: its fingerprint, class and dtype."""
+    return {
+        **fingerprint(transformer),
+        "transformer_class": type(transformer).__name__,
+        "dtype": _dtype_name(transformer),
+    }
+
+
 def optimize(
     model: Any = None,
     recipe: str | RecipeConfig = "default",
@@ -186,7 +218,7 @@ def optimize(
             recipe = dataclasses.replace(
                 recipe, deployment=recipe.deployment.merged(deployment, "the optimize call")
             )
-        attr = spec.transformer_attr
+        attr, attrs = spec.transformer_attr, spec.transformer_attrs
         base_transformer = getattr(base, attr)
         run_device = next(base_transformer.parameters()).device
         # Calibration, the cache search and the quality report run the quantized model many times:
@@ -198,12 +230,11 @@ def optimize(
             "family": spec.family,
             "variant": spec.variant,
             "base_id": base_id,
-            **fingerprint(base_transformer),
             "pipeline_class": _class_path(type(base)),
             "transformer_attr": attr,
-            "transformer_class": type(base_transformer).__name__,
-            "dtype": _dtype_name(base_transformer),
+            **_model_fields(base_transformer),
         }
+        experts = {a: {"model": _model_fields(getattr(base, a))} for a in spec.experts}
         if by_name or in_place:
             optimized, kept_base = base, None
         else:
@@ -211,7 +242,8 @@ def optimize(
             # from_pipe, which casts every component to one dtype (float32 by default)
             params = inspect.signature(type(base).__init__).parameters
             settings = {k: v for k, v in base.config.items() if k in params and k not in base.components}
-            optimized = type(base)(**{**base.components, **settings, attr: copy.deepcopy(base_transformer)})
+            copies = {a: copy.deepcopy(getattr(base, a)) for a in attrs}
+            optimized = type(base)(**{**base.components, **settings, **copies})
             kept_base = base
         ctx = TransformContext(pipeline=optimized, spec=spec, forward_loop=forward_loop, recipe=recipe)
         ctx.check_deployment()
@@ -220,7 +252,7 @@ def optimize(
         plan = make_plan(ctx, list(recipe.steps), eval_samples, batch, run_device)
         if progress:
             tqdm.write("\n".join(plan.lines()), file=sys.stderr)
-        meter = PhaseMeter(getattr(optimized, attr), run_device, show=progress)
+        meter = PhaseMeter([getattr(optimized, a) for a in attrs], run_device, show=progress)
         try:
             ref = None
             if eval_samples > 0:  # the original's samples, before the transformer changes
@@ -231,17 +263,25 @@ def optimize(
                 )
             steps, modules, files, sections = [], {}, {}, {}
             for config in recipe.steps:
-                planned = [p for p in plan.phases if p.name.split(":")[0] == config.kind]
-                counts = [p.forwards for p in planned]
-                result = meter.run(
-                    config.kind,
-                    None if None in counts else sum(counts),
-                    functools.partial(apply_transform, ctx, config),
-                )
-                modules.update(result.modules)
-                _merge_files(files, result.files, config.kind)
-                _merge_sections(sections, result.sections, config.kind)
-                steps.append({"config": config.to_dict(), "result": result.record})
+                for a in attrs:  # the step on each transformer in turn, each on the steps it runs
+                    label = ctx.step_label(config.kind, a)
+                    counts = [p.forwards for p in plan.phases if p.name.split(":")[0] == label]
+                    result = meter.run(
+                        label,
+                        None if None in counts else sum(counts),
+                        functools.partial(apply_transform, ctx.for_transformer(a), config),
+                    )
+                    if a != attr:
+                        result = _expert_result(result, a)
+                        expert = experts[a]
+                        expert.setdefault("modules", {}).update(result.modules)
+                        _merge_sections(expert, result.sections, label)
+                        expert.setdefault("steps", []).append(result.record)
+                    else:
+                        modules.update(result.modules)
+                        _merge_sections(sections, result.sections, label)
+                        steps.append({"config": config.to_dict(), "result": result.record})
+                    _merge_files(files, result.files, label)
             quality = None
             if ref is not None:
                 quality, _ = meter.run(
@@ -262,6 +302,7 @@ def optimize(
             },
             "modules": modules,
             **sections,
+            **({"experts": experts} if experts else {}),
         }
         log = {
             "plan": plan.to_dict(),
@@ -282,7 +323,7 @@ def optimize(
                 optimized,
                 manifest,
                 quality or {"skipped": "optimize ran with eval_samples=0"},
-                attr,
+                attrs,
                 force=force,
                 extra_files=files,
             )

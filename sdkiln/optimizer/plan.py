@@ -216,9 +216,13 @@ def make_plan(
     optimized in place) and its memory estimate."""
     phases: list[Phase] = []
     for config in recipe_steps:
-        for phase in step_phases(ctx, config):
-            phase.name = config.kind if phase.name == config.kind else f"{config.kind}: {phase.name}"
-            phases.append(phase)
+        for attr in ctx.spec.transformer_attrs:  # each step runs on each transformer in turn
+            label = ctx.step_label(config.kind, attr)
+            for phase in step_phases(ctx.for_transformer(attr), config):
+                phase.name = label if phase.name == config.kind else f"{label}: {phase.name}"
+                if ctx.spec.experts and phase.steps is not None:
+                    phase.bound = "at most"  # an expert's window of the run is known once it has run
+                phases.append(phase)
     if eval_samples:
         calls = cfg_factor(ctx.spec, ctx.call_kwargs())
         steps = -(-eval_samples // eval_batch) * ctx.num_inference_steps
@@ -239,7 +243,8 @@ class PhaseMeter:
     """Counts the transformer's forwards (a pre-hook on it), one phase at a time, with a progress bar
     over the phase's planned forwards; ``records`` is what each phase measured."""
 
-    transformer: torch.nn.Module
+    transformers: list[torch.nn.Module]
+    """Every transformer of the pipeline (Wan2.2-A14B's two experts): a step calls one of them."""
     device: torch.device
     show: bool = True
     records: list[dict[str, Any]] = field(default_factory=list)
@@ -247,7 +252,7 @@ class PhaseMeter:
     def __post_init__(self) -> None:
         self.count = 0
         self._bar = None
-        self._handle = self.transformer.register_forward_pre_hook(self._tick)
+        self._handles = [t.register_forward_pre_hook(self._tick) for t in self.transformers]
 
     def _tick(self, *_):
         self.count += 1
@@ -281,4 +286,5 @@ class PhaseMeter:
                 )
 
     def close(self) -> None:
-        self._handle.remove()
+        for handle in self._handles:
+            handle.remove()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from torch import nn
@@ -28,6 +28,18 @@ class TransformContext:
     @property
     def transformer(self) -> nn.Module:
         return getattr(self.pipeline, self.spec.transformer_attr)
+
+    def for_transformer(self, attr: str) -> TransformContext:
+        """This context for the pipeline's transformer ``attr`` (one of ``spec.transformer_attrs``): a
+        step given it calibrates, changes and records that transformer alone, on the steps it runs."""
+        if attr == self.spec.transformer_attr:
+            return self
+        return replace(self, spec=replace(self.spec, transformer_attr=attr, experts=()))
+
+    def step_label(self, kind: str, attr: str) -> str:
+        """A recipe step's name in the plan and the progress bars: ``kind``, followed by the transformer
+        it works on when the pipeline has several (``w8a8_dynamic [transformer_2]``)."""
+        return f"{kind} [{attr}]" if self.spec.experts else kind
 
     @property
     def deployment(self) -> Deployment:

@@ -444,13 +444,12 @@ def load_component(
 def assemble(
     pkg: Package,
     pipeline_cls: type,
-    transformer_attr: str,
-    transformer: nn.Module,
+    transformers: dict[str, nn.Module],
     device: torch.device | None = None,
 ) -> Any:
     """The pipeline from ``model_index.json``: each listed component loaded from the package (its
-    weights on ``device`` when given), the transformer given, checked against what the pipeline
-    class takes."""
+    weights on ``device`` when given), the transformers given (by attribute: the package's, and an
+    expert's), checked against what the pipeline class takes."""
     index = expect_dict(pkg.read_json("model_index.json"), "model_index.json")
     if index.get("_class_name") != pipeline_cls.__name__:
         raise PackageError(
@@ -464,7 +463,8 @@ def assemble(
             continue
         if name not in params or name == "self":
             raise PackageError(f"model_index.json: {pipeline_cls.__name__} takes no component {name!r}")
-        if name == transformer_attr:
+        if name in transformers:
+            transformer = transformers[name]
             if entry != [type(transformer).__module__.split(".")[0], type(transformer).__name__]:
                 raise PackageError(
                     f"model_index.json: {name} must be {['diffusers', type(transformer).__name__]}, got {entry!r}"

@@ -56,12 +56,13 @@ from sdkiln.runtime.package import Package, open_package
 from sdkiln.runtime.sparse import restore as sparse_restore
 
 
-def build_transformer(pkg: Package) -> nn.Module:
+def build_transformer(pkg: Package, info: dict | None = None) -> nn.Module:
     """The package's transformer class from its config, on the meta device, within the allocation
-    budget its stored tensors allow (``runtime.components``)."""
+    budget its stored tensors allow (``runtime.components``). ``info``: the model fields of the
+    transformer to build (an expert's, ``runtime.experts``); default the package's."""
     from diffusers import ModelMixin
 
-    info = pkg.manifest["model"]
+    info = info or pkg.manifest["model"]
     where = f"{info['transformer_attr']}/config.json"
     config = expect_dict(pkg.read_json(where), where)
     if config.get("_class_name") != info["transformer_class"]:
@@ -96,11 +97,13 @@ def build_transformer(pkg: Package) -> nn.Module:
     return model
 
 
-def load_weights(pkg: Package, model: nn.Module, device: torch.device | None = None) -> nn.Module:
+def load_weights(
+    pkg: Package, model: nn.Module, device: torch.device | None = None, info: dict | None = None
+) -> nn.Module:
     """The transformer's tensors, read from its files (one, or shards) once each, verified, and on
     ``device`` when given (shard by shard); the non-persistent buffers the writer stored beside them
-    are set as buffers (they are not in the state dict)."""
-    info = pkg.manifest["model"]
+    are set as buffers (they are not in the state dict). ``info`` as in ``build_transformer``."""
+    info = info or pkg.manifest["model"]
     tensors = component_tensors(pkg, info["transformer_attr"], device)
     where = f"{info['transformer_attr']}/"
     extra = {}
@@ -123,7 +126,7 @@ def load_weights(pkg: Package, model: nn.Module, device: torch.device | None = N
     return fill_weights(model, tensors, where)
 
 
-def _assemble(pkg: Package, transformer: nn.Module, device: torch.device | None):
+def _assemble(pkg: Package, transformers: dict[str, nn.Module], device: torch.device | None):
     from diffusers import DiffusionPipeline
 
     info = pkg.manifest["model"]
@@ -133,7 +136,7 @@ def _assemble(pkg: Package, transformer: nn.Module, device: torch.device | None)
     for key in [call["guidance_arg"], *call["defaults"]]:
         if key not in takes:
             raise PackageError(f"manifest.json: call: {pipeline_cls.__name__} takes no argument {key!r}")
-    pipe = assemble(pkg, pipeline_cls, info["transformer_attr"], transformer, device)
+    pipe = assemble(pkg, pipeline_cls, transformers, device)
     pipe.set_progress_bar_config(disable=True)
     pipe.sdkiln_manifest = pkg.manifest
     pipe.sdkiln_digest = pkg.digest
@@ -202,7 +205,8 @@ def _compile(ctx: restore.RestoreContext, compile: CompileConfig | None, device:
         info = ctx.package.manifest["model"]
         lists = tuple(bl.attr for bl in get_spec(info["family"], info.get("variant")).block_lists)
         ctx.pipeline.sdkiln_compile_cache = use_compile_cache(compile, ctx.package.digest, device)
-        setattr(ctx.pipeline, ctx.transformer_attr, compile_transformer(ctx.transformer, compile, lists))
+        for attr, transformer in {ctx.transformer_attr: ctx.transformer, **ctx.transformers}.items():
+            setattr(ctx.pipeline, attr, compile_transformer(transformer, compile, lists))
 
 
 class ColdStart:
@@ -280,12 +284,12 @@ def load(
     placed = target if target.type != "cpu" and parallel is None else None
     if placed is not None:
         kernels.load_device_kernels(target.type)
-    ctx = restore.RestoreContext(pkg, build_transformer(pkg))
+    ctx = restore.RestoreContext(pkg, build_transformer(pkg), device=placed)
     restore.run_stage("build", sections, ctx)
     clock.mark("build")
     load_weights(pkg, ctx.transformer, placed)
     clock.mark("read")
-    ctx.pipeline = _assemble(pkg, ctx.transformer, placed)
+    ctx.pipeline = _assemble(pkg, {ctx.transformer_attr: ctx.transformer, **ctx.transformers}, placed)
     restore.run_stage("attach", sections, ctx)
     clock.mark("assemble")
     target = _parallel(ctx, parallel, target)

@@ -107,7 +107,7 @@ def check_call_defaults(defaults: Any, guidance_arg: str, where: str) -> dict[st
         if key in CALL_BOUNDS:
             kind, lo, hi = CALL_BOUNDS[key]
             expect_int(value, at, lo, hi)
-        elif key == guidance_arg:
+        elif key == guidance_arg or GUIDANCE_ARG.fullmatch(key):  # Wan2.2-A14B's guidance_scale_2 too
             expect_number(value, at, *GUIDANCE_BOUNDS)
         elif key == "output_type":
             if value not in OUTPUT_TYPES:

@@ -2,8 +2,9 @@
 restore per saved mode; STYLE habit 15).
 
 A package's manifest holds the core fields every package has (``CORE_FIELDS``) and one top-level
-entry per **section** it carries: ``modules`` (the quantized layers), ``cache_schedule``, and
-later ones (``sparse_attention``, a parallel layout, compile settings). Each section has a
+entry per **section** it carries: ``modules`` (the quantized layers), ``cache_schedule``,
+``sparse_attention`` and ``experts`` (a pipeline's other transformers, each with sections of its
+own: ``runtime.experts``). Each section has a
 ``Section`` handler in its own module, listed in ``SECTION_MODULES``; a manifest entry that no
 handler claims is refused, so an older sdkiln never runs a newer package without a part of it.
 
@@ -32,6 +33,7 @@ SECTION_MODULES = (
     "sdkiln.runtime.quant.restore",
     "sdkiln.runtime.cache.restore",
     "sdkiln.runtime.sparse.restore",
+    "sdkiln.runtime.experts",
 )
 
 
@@ -44,10 +46,18 @@ class RestoreContext:
     pipeline: Any = None
     notes: dict[str, Any] = field(default_factory=dict)
     """What a handler wants to tell later stages or the caller (e.g. the attached cache runner)."""
+    view: dict[str, Any] | None = None
+    """The manifest as this transformer's sections read it, when it is not the package's own: a
+    pipeline's other transformer (``runtime.experts``) has its model fields and sections there."""
+    device: torch.device | None = None
+    """Where weights go as they are read (an accelerator, shard by shard); None: the host."""
+    transformers: dict[str, torch.nn.Module] = field(default_factory=dict)
+    """The pipeline's other transformers, by attribute, that a section built (``runtime.experts``):
+    the pipeline is assembled with them."""
 
     @property
     def manifest(self) -> dict[str, Any]:
-        return self.package.manifest
+        return self.package.manifest if self.view is None else self.view
 
     @property
     def transformer_attr(self) -> str:

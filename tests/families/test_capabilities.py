@@ -56,6 +56,7 @@ EXPECTED_PATTERNS = {
     "sd3-tiny": {"adaln", "gelu_tanh", "gate_add"},
     "wan-tiny": {"rms_norm", "adaln", "rope", "gelu_tanh", "gate_add"},
     "wan-i2v-tiny": {"rms_norm", "adaln", "rope", "gelu_tanh", "gate_add"},
+    "wan2.2-a14b-tiny": {"rms_norm", "adaln", "rope", "gelu_tanh", "gate_add"},
     # Qwen-Image computes RoPE in complex numbers, which no pattern matches
     "qwen-image-tiny": {"rms_norm", "adaln", "gelu_tanh", "gate_add"},
     # the single blocks add their residual last: "gate * x + residual", a gate_add form of its own
@@ -120,10 +121,20 @@ def test_quant(name, packages, assert_same_outputs):
     optimized pipeline's latents and images bit for bit."""
     result = packages(name)
     loaded = sdkiln.load(result.package, device="cpu")
-    swapped = [n for n, m in loaded.transformer.named_modules() if n in result.manifest["modules"]]
-    assert len(swapped) == len(result.manifest["modules"]) > 0
-    assert all(type(m) is not torch.nn.Linear for n, m in loaded.transformer.named_modules() if n in swapped)
+    for attr, modules in _modules_by_transformer(result).items():  # Wan2.2-A14B: each expert its own
+        transformer = getattr(loaded, attr)
+        swapped = [n for n, m in transformer.named_modules() if n in modules]
+        assert len(swapped) == len(modules) > 0, attr
+        assert all(type(m) is not torch.nn.Linear for n, m in transformer.named_modules() if n in swapped)
     assert_same_outputs(result, loaded)
+
+
+def _modules_by_transformer(result) -> dict:
+    """Each transformer's quantized layers: the package's ``modules``, an expert's under ``experts``."""
+    m = result.manifest
+    return {m["model"]["transformer_attr"]: m["modules"]} | {
+        attr: entry["modules"] for attr, entry in m.get("experts", {}).items()
+    }
 
 
 @pytest.mark.parametrize("name", families(where=having("cache")))
@@ -131,14 +142,16 @@ def test_cache(name, packages):
     """cache-auto searched a schedule that reuses blocks, and the loaded package reuses them."""
     result = packages(name)
     loaded = sdkiln.load(result.package, device="cpu")
-    runner = cache_runner(loaded.transformer)
-    assert runner is not None
     spec = result.spec
+    runners = {attr: cache_runner(getattr(loaded, attr)) for attr in spec.transformer_attrs}
+    assert None not in runners.values(), runners
     call, inputs = _call(loaded, spec, output_type="latent")
-    runner.reset_counters()
+    for runner in runners.values():
+        runner.reset_counters()
     loaded(prompt=spec.eval_prompts[0], generator=torch.Generator().manual_seed(0), **call, **inputs)
     blocks = sum(len(getattr(loaded.transformer, bl.attr)) for bl in spec.block_lists)
-    assert 0 < runner.block_evaluations < runner.transformer_calls * blocks
+    for attr, runner in runners.items():  # every transformer (each expert) reuses blocks
+        assert 0 < runner.block_evaluations < runner.transformer_calls * blocks, attr
 
 
 @pytest.mark.slow
@@ -152,8 +165,9 @@ def test_sparse(name, tmp_path):
     loaded(prompt=result.spec.eval_prompts[0], generator=torch.Generator().manual_seed(0), **call, **inputs)
 
 
-COMPILE_SLOW = {"flux-kontext-tiny", "flux2-tiny", "hunyuan-video-tiny", "wan-i2v-tiny"}
-"""Families whose whole-transformer compile takes over 10 s on 2 cores: under --run-slow (CI budget)."""
+COMPILE_SLOW = {"flux-kontext-tiny", "flux2-tiny", "hunyuan-video-tiny", "wan-i2v-tiny", "wan2.2-a14b-tiny"}
+"""Families whose whole-transformer compile takes over 10 s on 2 cores: under --run-slow (CI budget).
+Wan2.2-A14B's experts are wan-tiny's transformer class, compiled in tests/runtime."""
 
 
 @pytest.mark.parametrize("name", families(where=having("compile"), slow=COMPILE_SLOW))

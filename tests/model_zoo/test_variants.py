@@ -282,20 +282,33 @@ def test_an_unknown_width_is_one_line_naming_what_was_found(tmp_path):
     assert message.endswith("is no known flux variant (FLUX.1-dev, FLUX.1-schnell, tiny)")
 
 
+def test_wan22_two_experts_are_their_own_family_before_any_weights(tmp_path):
+    """Wan2.2-T2V-A14B has Wan2.1-14B's width: only its model_index.json (both experts and the
+    boundary) tells it apart, and it is the wan2.2-a14b family's."""
+    directory = json_directory(
+        tmp_path,
+        "wan",
+        {**_WAN, "ffn_dim": 13824, "num_attention_heads": 40},
+        transformer_2=["diffusers", "WanTransformer3DModel"],
+        boundary_ratio=0.875,
+    )
+    spec = detect(directory)
+    assert (spec.family, spec.variant, spec.experts) == ("wan2.2-a14b", "Wan2.2-T2V-A14B", ("transformer_2",))
+
+
 @pytest.mark.parametrize(
     "index",
     [
-        {"transformer_2": ["diffusers", "WanTransformer3DModel"], "boundary_ratio": 0.875},
         {"transformer_2": [None, None], "boundary_ratio": 0.875},
+        {"transformer_2": ["diffusers", "WanTransformer3DModel"]},
     ],
-    ids=["wan2.2-a14b", "boundary-ratio-only"],
+    ids=["boundary-ratio-only", "second-expert-only"],
 )
-def test_wan22_two_experts_are_refused_before_any_weights(tmp_path, index):
-    """Wan2.2-T2V-A14B has Wan2.1-14B's width: only its model_index.json tells it apart."""
+def test_half_a_two_expert_layout_is_refused_before_any_weights(tmp_path, index):
     directory = json_directory(
         tmp_path, "wan", {**_WAN, "ffn_dim": 13824, "num_attention_heads": 40}, **index
     )
-    with pytest.raises(ModelError, match="Wan2.2's two-expert layout is not supported yet") as err:
+    with pytest.raises(ModelError, match="sets transformer_2 or boundary_ratio but not both") as err:
         load_model(str(directory))
     assert "\n" not in str(err.value)
 

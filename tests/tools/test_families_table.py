@@ -22,11 +22,11 @@ def _tool():
 
 def test_the_page_has_every_family_and_every_refusal_reason():
     text = PAGE.read_text(encoding="utf-8")
-    rows = {m[1] for m in re.finditer(r"^\| ([a-z0-9-]+) \| `", text, re.M)}
+    rows = {m[1] for m in re.finditer(r"^\| ([a-z0-9.-]+) \| `", text, re.M)}
     specs = [get_spec(n) for n in spec_names() if n != "fmnist-flux"]
     assert rows == {s.family for s in specs}
     listed = {
-        (m[1], m[2]): m[3] for m in re.finditer(r"^- \*\*([a-z0-9-]+), ([a-z-]+)\*\*: (.*)$", text, re.M)
+        (m[1], m[2]): m[3] for m in re.finditer(r"^- \*\*([a-z0-9.-]+), ([a-z-]+)\*\*: (.*)$", text, re.M)
     }
     assert listed == {(s.family, c): reason for s in specs for c, reason in s.refusals.items()}
     assert not re.search(r"\| FAILED", text)  # no capability cell says the suite failed it

@@ -91,11 +91,29 @@ class Search:
                 f"cache search: {', '.join(self.dropped)} left out: no middle block of {self.num_blocks} to reuse"
             )
         self.sigmas: list[float] = []
+        self.first = 0
+        """The run's first step this transformer computes; ``num_steps`` counts the steps it computes."""
         self.model = ErrorModel(self.num_steps, self.num_blocks, config.min_full, config.max_reuse)
 
+    def own_steps(self, prof: dict[str, Any]) -> None:
+        """Search over the steps the profile saw this transformer compute, a contiguous window of the
+        run (all of them, unless it is one of a pipeline's experts: Wan2.2-A14B's low-noise
+        ``transformer_2`` computes the steps after the boundary). Action lists, the error model and the
+        segments count steps from the window's first; ``schedule`` places them in the run, the run's
+        other steps full (never this transformer's)."""
+        steps = sorted({row["step"] for rows in prof["branches"].values() for row in rows})
+        if steps != list(range(steps[0], steps[-1] + 1)):
+            raise RecipeError(
+                f"cache_auto: the transformer computes steps {steps}, not one window of the run"
+            )
+        self.first, self.num_steps = steps[0], len(steps)
+        self.model = ErrorModel(self.num_steps, self.num_blocks, self.config.min_full, self.config.max_reuse)
+
     def schedule(self, actions: list[Action]) -> CacheSchedule:
+        """The schedule of the run for ``actions`` over this transformer's steps."""
+        after = self.traj.num_steps - self.first - len(actions)
         return CacheSchedule(
-            actions={BATCHED: actions},
+            actions={BATCHED: [FULL] * self.first + list(actions) + [FULL] * after},
             sigmas=self.sigmas,
             blocks=self.blocks,
             scheduler_class=type(self.ctx.pipeline.scheduler).__name__,
@@ -129,22 +147,25 @@ class Search:
             f"{self.config.eval_samples} held-out samples"
         )
         gains: dict[int, list[float]] = {}
+        o, end = self.first, self.traj.num_steps  # the window's first step in the run; the run's steps
         for s, action, length, stop in tqdm(jobs, desc="cache segments", unit="run", leave=False):
             acts = [FULL] * t
             acts[s + 1 : s + 1 + length] = [action] * length
             attach_cache(self.ctx.pipeline, self.schedule(acts), self.ctx.spec.transformer_attr)
             first = s - 1 if action.extrapolate else s  # extrapolation needs the full step before s too
+            # the first action's runs go on to the run's last step (the other expert's steps too)
+            last = end - 1 if stop == t - 1 else o + stop
             try:
-                after = self.traj.run(start=first, stop=stop)[s - first :]
+                after = self.traj.run(start=o + first, stop=last)[s - first :]
             finally:
                 detach_cache(self.ctx.transformer)
             for n in range(1, length + 1):  # after[n]: the latents after step s + n
                 self.model.local[Segment(s, n, action)] = float(
-                    metrics.rel_l2(reference[s + n + 1], after[n]).mean()
+                    metrics.rel_l2(reference[o + s + n + 1], after[n]).mean()
                 )
             if stop == t - 1:
                 local = self.model.local[Segment(s, length, action)]
-                final = float(metrics.rel_l2(reference[t], after[-1]).mean())
+                final = float(metrics.rel_l2(reference[end], after[-1]).mean())
                 if local > 0:
                     gains.setdefault(s + length, []).append(final / local)
         self.model.gain = fill_gaps({j: float(np.mean(g)) for j, g in gains.items()}, t)
@@ -173,7 +194,9 @@ class Search:
         rel = metrics.rel_l2(reference_latents, latents)
         return {
             "actions": [str(a) for a in actions],
-            "block_evaluations_ratio": schedule.block_evaluations_ratio(),
+            # over this transformer's steps (the schedule's others are another expert's)
+            "block_evaluations_ratio": sum(a.block_evaluations(self.num_blocks) for a in actions)
+            / (self.num_blocks * len(actions)),
             "measured_block_evaluations": runner.block_evaluations,
             "psnr_mean": float(psnr.mean()),
             "psnr_p5": float(np.percentile(psnr, 5)),
@@ -198,7 +221,7 @@ class Search:
         finally:
             detach_cache(self.ctx.transformer)
         return guard_thresholds(
-            recorder.values, self.num_steps, self.config.guard_quantile, self.config.guard_margin
+            recorder.values, self.traj.num_steps, self.config.guard_quantile, self.config.guard_margin
         )
 
 
@@ -349,6 +372,7 @@ def apply_cache_auto(ctx: TransformContext, config: CacheAutoConfig) -> Transfor
     prompts, seeds = calib.plan()
     search = Search(ctx, config, prompts, seeds)
     prof = profile(search.traj, search.blocks)
+    search.own_steps(prof)
     seconds_per_step = (time.perf_counter() - started) / search.num_steps
     model = search.measure_segments(seconds_per_step)
 
@@ -396,6 +420,7 @@ def apply_cache_auto(ctx: TransformContext, config: CacheAutoConfig) -> Transfor
             "to the final latents), confirmed end to end"
         ),
         "constraints": {"min_full": config.min_full, "max_reuse": config.max_reuse, "last_step": "full"},
+        "steps": [search.first, search.first + search.num_steps - 1],
         "actions": [str(a) for a in search.actions],
         "actions_left_out": search.dropped,
         "calibration": calib.record(),

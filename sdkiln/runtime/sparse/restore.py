@@ -9,6 +9,7 @@ the scheduler's step).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from sdkiln.errors import PackageError
@@ -36,6 +37,7 @@ def attach_plan(ctx: RestoreContext) -> None:
     if plan.config_hash != config_hash(ctx.transformer.config):
         raise PackageError(f"{where}: the plan was calibrated for another transformer config")
     spec = get_spec(ctx.manifest["model"]["family"], ctx.manifest["model"].get("variant"))
+    spec = dataclasses.replace(spec, transformer_attr=ctx.transformer_attr, experts=())  # an expert's own
     try:
         ctx.notes["sparse_attention"] = attach_sparse_attention(ctx.pipeline, spec, plan)
     except ValueError as exc:

@@ -1,0 +1,153 @@
+"""A pipeline with two transformers (Wan2.2-A14B: ``transformer`` above the boundary timestep,
+``transformer_2`` below it): each expert is calibrated, quantized and cache-searched on the steps it
+runs, packaged with its own sections, and restored, compiled and checked as its own model.
+
+The package is the family suite's (tests/families/test_capabilities.py: W8A8 dynamic with a searched
+cache schedule), made once here with the same recipe. Outputs: a loaded package against the in-memory
+optimized pipeline is bit-identical (``assert_same_outputs``, one CPU thread).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import sdkiln
+from sdkiln.configs import CacheAutoConfig, CompileConfig, RecipeConfig, W8A8DynamicConfig
+from sdkiln.errors import ModelError, PackageError
+from sdkiln.model_zoo import detect, get_spec
+from sdkiln.runtime.cache import cache_runner
+from sdkiln.runtime.quant.w8a8_dynamic import W8A8DynamicLinear
+
+NAME = "wan2.2-a14b-tiny"
+EXPERT = "transformer_2"
+
+
+@pytest.fixture(scope="module")
+def a14b(tmp_path_factory):
+    cache = CacheAutoConfig(
+        calib_samples=1, eval_samples=1, budgets=2, refine=0, psnr_floor_db=0.0, psnr_p5_floor_db=0.0
+    )
+    recipe = RecipeConfig("suite", [W8A8DynamicConfig(), cache])
+    return sdkiln.optimize(
+        NAME, recipe, tmp_path_factory.mktemp("a14b") / "pkg", eval_samples=0, progress=False
+    )
+
+
+def _steps_run(pipe) -> dict[str, set[int]]:
+    """The denoising steps each transformer computed in one call of ``pipe``."""
+    seen: dict[str, set[int]] = {"transformer": set(), EXPERT: set()}
+    handles = [
+        getattr(pipe, attr).register_forward_pre_hook(
+            lambda *_, attr=attr: seen[attr].add(pipe.scheduler.step_index or 0)
+        )
+        for attr in seen
+    ]
+    call = {**pipe.sdkiln_manifest["call"]["defaults"], "output_type": "latent"}
+    try:
+        pipe(prompt="a boat on a lake", generator=torch.Generator().manual_seed(0), **call)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return seen
+
+
+def test_manifest_holds_both_experts(a14b):
+    """Both experts are quantized and cache-searched, each on its own steps, and the manifest, the
+    schedules and the files say so."""
+    m = a14b.manifest
+    expert = m["experts"][EXPERT]
+    assert set(expert) == {"model", "modules", "steps", "cache_schedule"}
+    assert set(expert["modules"]) == set(m["modules"]) and m["modules"]
+    assert expert["model"]["weights_hash"] != m["model"]["weights_hash"]
+    files = json.loads((a14b.package / "manifest.json").read_text())["files"]
+    assert f"{EXPERT}/diffusion_pytorch_model.safetensors" in files
+    schedules = {
+        "transformer": json.loads((a14b.package / m["cache_schedule"]["file"]).read_text()),
+        EXPERT: json.loads((a14b.package / expert["cache_schedule"]["file"]).read_text()),
+    }
+    assert expert["cache_schedule"]["file"].startswith(f"experts/{EXPERT}/")
+    # the tiny build's boundary gives each expert four of the eight steps
+    assert schedules["transformer"]["search"]["steps"] == [0, 3]
+    assert schedules[EXPERT]["search"]["steps"] == [4, 7]
+    # the steps the other expert runs stay full in each schedule: the hooks never see them
+    assert all(a == "full" for a in schedules["transformer"]["actions"]["batched"][4:])
+    assert all(a == "full" for a in schedules[EXPERT]["actions"]["batched"][:4])
+
+
+def test_each_expert_runs_its_quantized_modules_on_its_steps(a14b, assert_same_outputs):
+    """The loaded package: each expert's layers are the quantized ones, each expert computes the steps
+    its side of the boundary and reuses blocks by its own schedule, and the outputs equal the
+    in-memory pipeline's."""
+    loaded = sdkiln.load(a14b.package, device="cpu")
+    for attr in ("transformer", EXPERT):
+        assert isinstance(getattr(loaded, attr).blocks[0].ffn.net[2], W8A8DynamicLinear), attr
+    runners = {attr: cache_runner(getattr(loaded, attr)) for attr in ("transformer", EXPERT)}
+    for runner in runners.values():
+        runner.reset_counters()
+    assert _steps_run(loaded) == {"transformer": {0, 1, 2, 3}, EXPERT: {4, 5, 6, 7}}
+    blocks = len(loaded.transformer.blocks)
+    for attr, runner in runners.items():
+        assert runner.transformer_calls == 8, attr  # 4 steps x 2 guidance branches
+        assert 0 < runner.block_evaluations < runner.transformer_calls * blocks, attr
+    assert_same_outputs(a14b, loaded)
+
+
+def test_compile_wraps_both_experts(a14b):
+    """``compile`` compiles every transformer of the pipeline (Dynamo runs at the first call)."""
+    loaded = sdkiln.load(a14b.package, device="cpu", compile=CompileConfig())
+    for attr in ("transformer", EXPERT):
+        assert isinstance(getattr(loaded, attr), torch._dynamo.eval_frame.OptimizedModule), attr
+
+
+def test_directory_is_detected(tmp_path):
+    """A saved directory with both experts is the wan2.2-a14b family; one with half the layout is refused."""
+    pipe = get_spec(NAME).build()
+    pipe.save_pretrained(tmp_path / "a14b")
+    spec = detect(tmp_path / "a14b")
+    assert (spec.family, spec.variant, spec.transformer_attrs) == (
+        "wan2.2-a14b",
+        "tiny",
+        ("transformer", EXPERT),
+    )
+    index = json.loads((tmp_path / "a14b" / "model_index.json").read_text())
+    index["boundary_ratio"] = None
+    (tmp_path / "a14b" / "model_index.json").write_text(json.dumps(index))
+    with pytest.raises(ModelError, match="neither Wan's one transformer nor"):
+        detect(tmp_path / "a14b")
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (lambda e: e.pop("model"), "missing 'model'"),
+        (lambda e: e["model"].update(dtype="int8"), "dtype: must be one of"),
+        (lambda e: e.update(recipe={}), "an expert carries sections"),
+        (lambda e: e.update(unknown={}), "unknown section 'unknown'"),
+    ],
+    ids=["no-model", "dtype", "core-field", "unknown-section"],
+)
+def test_bad_expert_entry_is_refused(a14b, tmp_path, change, message):
+    """A tampered ``experts`` entry is one PackageError naming it (the manifest re-signed: the check is
+    the schema's, not the digest's)."""
+    import shutil
+
+    pkg = tmp_path / "pkg"
+    shutil.copytree(a14b.package, pkg)
+    manifest = json.loads((pkg / "manifest.json").read_text())
+    change(manifest["experts"][EXPERT])
+    (pkg / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(PackageError, match=message):
+        sdkiln.load(pkg, device="cpu")
+
+
+def test_diffusers_view_refuses_experts(a14b, tmp_path):
+    """The diffusers view writes one transformer: a package with experts is one line, nothing written."""
+    from sdkiln.errors import SdkilnError
+    from sdkiln.export.diffusers_view import export_diffusers
+
+    with pytest.raises(SdkilnError, match="writes one transformer, and this package has others too"):
+        export_diffusers(a14b.package, tmp_path / "view")
+    assert not (tmp_path / "view").exists()
