@@ -211,7 +211,7 @@ def allocation_part(targets: list[float], calib_samples: int, samples: int) -> d
     call = spec.call_kwargs(num_inference_steps=28)
     names = [
         x for x, _ in pipe.transformer.named_modules()
-        if (site := spec.attention_site(x)) is not None and site.key_text != "all"
+        if (site := spec.attention_site(x)) is not None and site.attends_own_tokens
     ]  # fmt: skip
     bs = spec.sparse_block_size
     common = dict(block_size=bs, tile=default_tile(bs, 1), first_frame_dense=True, mask_reuse=1,

@@ -58,6 +58,7 @@ class SmoothFold:
 
 
 TEXT_PLACES = ("none", "first", "last", "all")
+KEY_CALLS = ("text", "image")
 
 CAPABILITIES = ("quant", "cache", "sparse", "cfg-parallel", "ulysses", "ring", "compile", "ascend", "onnx")
 """What a family can be put through; ``ModelSpec.refusals`` names those it cannot, each with its reason
@@ -75,6 +76,13 @@ class AttentionSite:
     processor). ``query_text`` and ``key_text`` say where the text tokens are among the queries and
     the keys: ``"first"``/``"last"`` (a joint sequence: as many as the transformer's text argument
     has tokens), ``"all"`` (cross-attention keys) or ``"none"``.
+
+    ``key_calls`` names, in order, the attention calls the processor makes per module call, all with the
+    same queries, by what their keys are: ``"text"``, the keys ``key_text`` describes (the site's own
+    sequence with its text where ``key_text`` says; only text when ``"all"``), or ``"image"``, an image
+    context's tokens and nothing else (Wan2.1 image-to-video's ``attn2`` first attends over its CLIP
+    image tokens, then over the text: ``("image", "text")``). Keys that are context only, all text or
+    an image context, are not the transformer's own tokens: whole on every rank, never made sparse.
     """
 
     modules: str
@@ -82,12 +90,28 @@ class AttentionSite:
     call: str = "dispatch"
     query_text: str = "none"
     key_text: str = "none"
+    key_calls: tuple[str, ...] = ("text",)
 
     def __post_init__(self) -> None:
         if self.call not in ("dispatch", "sdpa"):
             raise ValueError(f"AttentionSite.call is 'dispatch' or 'sdpa', got {self.call!r}")
         if self.query_text not in TEXT_PLACES or self.key_text not in TEXT_PLACES:
             raise ValueError(f"AttentionSite text places are {TEXT_PLACES}")
+        if not self.key_calls or any(k not in KEY_CALLS for k in self.key_calls):
+            raise ValueError(
+                f"AttentionSite.key_calls is a non-empty tuple of {KEY_CALLS}, got {self.key_calls!r}"
+            )
+
+    def context_keys(self, call: int) -> bool:
+        """Whether the keys of the processor's attention call number ``call`` are context only (all
+        text, or an image context), not the transformer's own tokens."""
+        return self.key_calls[call] == "image" or self.key_text == "all"
+
+    @property
+    def attends_own_tokens(self) -> bool:
+        """Whether some call's keys are the transformer's own tokens: what block-sparse attention can
+        make sparse."""
+        return not all(self.context_keys(i) for i in range(len(self.key_calls)))
 
 
 GRID_LAYOUTS = ("ids", "latents")

@@ -186,8 +186,8 @@ SPEC = ModelSpec(
     frame_step=4,  # Wan's VAE compresses time by 4: 4k + 1 frames
     eval_prompts=("a cat walking on grass", "waves breaking on a beach", "a car driving through rain"),
     calibration_prompts=("a dog running in a park", "clouds moving over mountains", "a candle flickering"),
-    # attn1: self-attention over the video tokens; attn2: cross-attention, the text tokens as keys
-    # (an image-to-video model's image-context attention runs through attn2 too and counts as text)
+    # attn1: self-attention over the video tokens; attn2: cross-attention, one call with the text tokens
+    # as keys (image-to-video's attn2 adds a call over image keys first: wan_i2v.py's sites)
     attention=(
         AttentionSite("blocks.*.attn1", "WanAttnProcessor", "dispatch", "none", "none"),
         AttentionSite("blocks.*.attn2", "WanAttnProcessor", "dispatch", "none", "all"),

@@ -16,7 +16,10 @@ the video tokens (``attn1``), cross-attention (``attn2``) and FFN, modulated by 
 * ``attn2`` has the added key/value projections ``add_k_proj``/``add_v_proj``: diffusers'
   ``WanAttnProcessor`` cuts the context at ``length - 512`` (512 text tokens are hard-coded, so the
   pipeline must be called with ``max_sequence_length=512``), and makes two attention calls with the
-  same queries: first over the image keys, then over the text keys, and adds the two outputs.
+  same queries: first over the image keys, then over the text keys, and adds the two outputs. The
+  spec's ``attn2`` site says so (``key_calls=("image", "text")``), so the attention seam labels the
+  first call's keys an image context, not text; both are context to the backends (whole on every
+  rank, never sparsified).
 
 A block is called with ``hidden_states`` (and the concatenated context as ``encoder_hidden_states``,
 only read) and returns ``hidden_states``; the pipeline exposes its 16-channel latents to
@@ -34,7 +37,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from sdkiln.model_zoo.spec import ModelSpec, Variant
+from sdkiln.model_zoo.spec import AttentionSite, ModelSpec, Variant
 from sdkiln.model_zoo.wan import SPEC as WAN_SPEC
 
 if TYPE_CHECKING:
@@ -208,14 +211,16 @@ SPEC = ModelSpec(
         "wind moves through it",
     ),
     calibration_prompts=("the picture starts to move", "a slow zoom in", "light flickers across the scene"),
-    # attn1: self-attention over the video tokens. attn2: two calls per module, the same queries over the
-    # image keys (CLIP tokens), then over the text keys. A site has one key place for all its calls, so
-    # the image keys are labelled "all" (text) too: wrong as a label, right for what the backends read
-    # from it (keys that are whole on every rank and stay dense).
-    # the same transformer class as Wan text-to-video: its sites, its _cp_plan (the video tokens split at
-    # the first block with their RoPE tables; the context, image tokens then text, whole on every rank)
-    # and its latent grid
-    attention=WAN_SPEC.attention,
+    # attn1: self-attention over the video tokens. attn2: two calls per module with the same queries,
+    # first over the image keys (the CLIP tokens, labelled "image"), then over the text keys ("all" text):
+    # both context, whole on every rank and dense
+    attention=(
+        AttentionSite("blocks.*.attn1", "WanAttnProcessor", "dispatch", "none", "none"),
+        AttentionSite("blocks.*.attn2", "WanAttnProcessor", "dispatch", "none", "all", ("image", "text")),
+    ),
+    # the same transformer class as Wan text-to-video: its _cp_plan (the video tokens split at the first
+    # block with their RoPE tables; the context, image tokens then text, whole on every rank) and its
+    # latent grid
     parallel_plan=WAN_SPEC.parallel_plan,
     token_grid=WAN_SPEC.token_grid,
     variants=WAN_I2V_VARIANTS,

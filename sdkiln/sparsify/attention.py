@@ -127,9 +127,9 @@ def apply_sparse_attention(ctx: TransformContext, config: SparseAttentionConfig)
     call = ctx.call_kwargs()
     steps = int(call["num_inference_steps"])
     block_size = config.block_size or spec.sparse_block_size
-    names = [  # self-attention: a cross-attention's keys are all text, which stays dense
+    names = [  # self-attention: a cross-attention's keys are context (text, an image), which stays dense
         n for n, _ in ctx.transformer.named_modules()
-        if (site := spec.attention_site(n)) is not None and site.key_text != "all"
+        if (site := spec.attention_site(n)) is not None and site.attends_own_tokens
     ]  # fmt: skip
     prompts, seeds = PromptLoop(spec, config.calib_samples, call).plan()
     ref_images, frames = _dense_reference(ctx, call, prompts, seeds)

@@ -2,6 +2,7 @@
 spec's data, with the text tokens where the spec says, removable, composing with diffusers'
 parallel config, and compile-clean."""
 
+import dataclasses
 import gc
 import inspect
 import weakref
@@ -16,7 +17,7 @@ from sdkiln import metrics
 from sdkiln.errors import SdkilnError
 from sdkiln.model_zoo import get_spec
 from sdkiln.optimizer.evaluate import generate
-from sdkiln.runtime.attention import register_backend, route_attention, unroute_attention
+from sdkiln.runtime.attention import TokenSpan, register_backend, route_attention, unroute_attention
 from sdkiln.runtime.attention.backends import dense
 
 # Routed against unrouted: the reference op computes attention in fp32 like SDPA, so the images
@@ -69,6 +70,62 @@ def test_every_site_routes_with_its_text_tokens_and_unroutes(family):
     } == processors
     _, after_latents = generate(pipe, call, ["a photo of a cat"], [0])
     assert torch.equal(after_latents, before_latents)
+
+
+def calls_per_module(family: str, spec=None) -> tuple[object, dict[str, list]]:
+    """One denoising step (guidance 1: one transformer call) of the family's tiny pipeline routed
+    through the recording backend: the pipeline and each module's routed calls, in order."""
+    spec = spec or get_spec(family)
+    pipe = spec.build()
+    call = spec.call_kwargs(num_inference_steps=1, guidance=1.0)
+    route_attention(pipe.transformer, spec, "test-recording")
+    CALLS.clear()
+    generate(pipe, call, ["a photo of a cat"], [0], inputs=spec.condition(call))
+    calls: dict[str, list] = {}
+    for c in CALLS:
+        calls.setdefault(c.name, []).append(c)
+    return pipe, calls
+
+
+def test_wan_i2v_attn2_attends_the_image_context_then_the_text():
+    """Wan2.1 image-to-video's ``attn2`` makes two attention calls with the same queries: the seam labels
+    the first one's keys an image context (the CLIP image tokens, no text) and the second one's text;
+    both are context, which no backend splits or sparsifies. Wan text-to-video's ``attn2`` makes one
+    call, over text."""
+    pipe, calls = calls_per_module("wan-i2v-tiny")
+    vision = pipe.image_encoder.config
+    image_tokens = (vision.image_size // vision.patch_size) ** 2 + 1  # the patches and CLIP's class token
+    assert image_tokens == 17
+    attn2 = {n: c for n, c in calls.items() if n.endswith(".attn2")}
+    assert len(attn2) == len(pipe.transformer.blocks)
+    for image, text in attn2.values():
+        assert (image.key_call, image.key_kind, text.key_call, text.key_kind) == (0, "image", 1, "text")
+        assert image.key.shape[1] == image_tokens and text.key.shape[1] == 512
+        assert image.key_text.stop == image.key_text.start and text.key_text == TokenSpan(0, 512, 512)
+        assert image.query is text.query
+        assert image.context_keys and text.context_keys
+    assert all([c.key_kind for c in calls[n]] == ["text"] and not calls[n][0].context_keys
+               for n in calls if n.endswith(".attn1"))  # fmt: skip
+    _, t2v = calls_per_module("wan-tiny")
+    assert t2v and all(len(c) == 1 and c[0].key_kind == "text" for c in t2v.values())
+    assert all(c[0].context_keys == n.endswith(".attn2") for n, c in t2v.items())
+
+
+def test_a_site_naming_fewer_or_more_attention_calls_is_refused():
+    """A site's ``key_calls`` is checked against the calls its processor makes: Wan text-to-video's
+    sites (one call per ``attn2``) do not route image-to-video's two, and two calls named where one is
+    made are refused too, rather than labelled wrong."""
+    i2v, t2v = get_spec("wan-i2v-tiny"), get_spec("wan-tiny")
+    with pytest.raises(
+        SdkilnError, match=r"blocks.0.attn2: its WanAttnProcessor makes more than the 1 attention"
+    ):
+        calls_per_module("wan-i2v-tiny", dataclasses.replace(i2v, attention=t2v.attention))
+    with pytest.raises(
+        SdkilnError, match=r"blocks.0.attn2: its WanAttnProcessor makes fewer than the 2 attention"
+    ):
+        calls_per_module("wan-tiny", dataclasses.replace(t2v, attention=i2v.attention))
+    with pytest.raises(ValueError, match="key_calls is a non-empty tuple of"):
+        dataclasses.replace(i2v.attention[1], key_calls=("image", "video"))
 
 
 def test_every_module_of_a_processor_class_shares_one_routed_class(flux_tiny):
@@ -157,19 +214,25 @@ def test_refusals(flux_tiny):
     assert not hasattr(pipe.transformer, "_sdkiln_attention")
 
 
-def test_routed_attention_compiles_without_graph_breaks(flux_tiny):
-    spec, pipe = flux_tiny
-    route_attention(pipe.transformer, spec)
+@pytest.mark.parametrize("family", ["flux-tiny", "wan-i2v-tiny"])
+def test_routed_attention_compiles_without_graph_breaks(family):
+    """One graph, every routed call in it as ``sdkiln::attention``: Wan2.1 image-to-video's ``attn2``
+    numbers its two calls (image context, text) while Dynamo traces it."""
+    spec = get_spec(family)
+    pipe = spec.build()
+    route = route_attention(pipe.transformer, spec)
     transformer = pipe.transformer
+    call = spec.call_kwargs()
     try:
         graphs = []
         torch._dynamo.reset()
         counters.clear()
         pipe.transformer = torch.compile(transformer, backend=lambda gm, ex: graphs.append(gm) or gm.forward)
-        generate(pipe, spec.call_kwargs(), ["a photo of a cat"], [0])
+        generate(pipe, call, ["a photo of a cat"], [0], inputs=spec.condition(call))
         assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
         assert len(graphs) == 1
-        assert any("sdkiln.attention" in str(n.target) for g in graphs for n in g.graph.nodes)
+        calls = sum(len(spec.attention_site(name).key_calls) for name in route.routed)
+        assert sum("sdkiln.attention" in str(n.target) for n in graphs[0].graph.nodes) == calls
     finally:
         pipe.transformer = transformer
         unroute_attention(transformer)

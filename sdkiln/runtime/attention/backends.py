@@ -1,11 +1,11 @@
 """Attention backends: what a routed attention call runs. One function per backend, registered by name.
 
 A backend takes an ``AttentionCall`` (q, k, v in diffusers' dispatch layout [B, S, H, D], the
-mask and scale, where the text tokens are, which site it is, and diffusers' ``parallel_config``
-when context parallelism is on) and returns the attention output [B, Sq, H, Dv]. ``"sdkiln"`` is
-the dense ``sdkiln::attention`` op, which runs on whatever kernel the device has registered for it
-(``sdkiln.kernels``). A new backend (block-sparse attention, say) is one module with a registered
-function; the route names it.
+mask and scale, where the text tokens are, whether the keys are an image context, which site it is,
+and diffusers' ``parallel_config`` when context parallelism is on) and returns the attention output
+[B, Sq, H, Dv]. ``"sdkiln"`` is the dense ``sdkiln::attention`` op, which runs on whatever kernel the
+device has registered for it (``sdkiln.kernels``). A new backend (block-sparse attention, say) is one
+module with a registered function; the route names it.
 """
 
 from __future__ import annotations
@@ -59,6 +59,22 @@ class AttentionCall:
     sparse: Callable[..., Tensor] | None = None
     """The transformer's block-sparse attention plan (``sdkiln.runtime.sparse``) when one is attached:
     ``sparse(call, head_offset=0)`` computes a whole-sequence call under it."""
+    key_call: int = 0
+    """Which of the processor's attention calls this is, per module call: its number in the site's
+    ``AttentionSite.key_calls``, which says what its keys are (``key_kind``)."""
+
+    @property
+    def key_kind(self) -> str:
+        """``"text"``: the keys ``key_text`` places the text in (the sequence's own tokens, or all text);
+        ``"image"``: an image context's tokens only, and ``key_text`` holds none."""
+        return self.site.key_calls[self.key_call]
+
+    @property
+    def context_keys(self) -> bool:
+        """Whether the keys are context only (all text, or an image context), not the transformer's own
+        tokens. A backend treats an image context as it treats text keys: whole on every rank, never
+        split with the sequence nor made sparse."""
+        return self.site.context_keys(self.key_call)
 
     @property
     def name(self) -> str:

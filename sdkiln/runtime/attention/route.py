@@ -2,19 +2,23 @@
 transformer, decided by the family's ``ModelSpec.attention`` data.
 
 Each routed attention module gets a copy of its diffusers processor whose class's ``__call__`` is
-diffusers' own code, rebound so that the one call it makes to compute attention
-(``dispatch_attention_fn`` or ``F.scaled_dot_product_attention``, the site's ``call``) reaches the
+diffusers' own code, rebound so that the calls it makes to compute attention
+(``dispatch_attention_fn`` or ``F.scaled_dot_product_attention``, the site's ``call``) reach the
 route instead. Nothing of the processor is rewritten: projections, norms, RoPE and output layers stay
 diffusers'. The route builds an ``AttentionCall`` in diffusers' dispatch layout [B, S, H, D] (an SDPA
-call's [B, H, S, D] tensors are transposed views of it) with where the text tokens are, and hands it
-to the backend (``backends.py``). The processor's ``_parallel_config``, which diffusers'
-``enable_parallelism`` sets, still reaches the backend, so the route composes with diffusers' context
-parallelism rather than replacing it; a diffusers attention backend chosen with
+call's [B, H, S, D] tensors are transposed views of it) with where the text tokens are and what the
+keys are, and hands it to the backend (``backends.py``). A processor may make several attention
+calls per module call (Wan2.1 image-to-video's ``attn2``: the image context, then the text); the
+route numbers them in each ``__call__`` and labels each by the site's ``key_calls``, and refuses a
+processor that makes more or fewer calls than the site names. The processor's ``_parallel_config``,
+which diffusers' ``enable_parallelism`` sets, still reaches the backend, so the route composes with
+diffusers' context parallelism rather than replacing it; a diffusers attention backend chosen with
 ``set_attention_backend`` is overridden while the route is on.
 
 There is one routed class, with one rebound function and namespace, per processor class and call kind,
 shared by every module and every route. Its ``__call__`` records which processor is calling (per
-thread); the rebound attention call reads the module's route and site from that processor. So
+thread) and counts that processor's attention calls on it (``_sdkiln_calls``); the rebound attention
+call reads the module's route and site from that processor. So
 ``torch.compile`` sees the same code and the same globals in every block of a kind and compiles one
 graph for them all; the module's name, which differs per block, is read only by a backend that needs
 it (``AttentionCall.name``). A code object runs with one namespace only, so the functions Dynamo
@@ -100,14 +104,19 @@ class AttentionRoute:
         if attn_mask is not None and attn_mask.ndim == 2:  # [B, Sk]: keys to attend, as diffusers reads it
             attn_mask = attn_mask[:, None, None, :]
         site, text = processor._sdkiln_site, self.text_tokens
+        number = processor._sdkiln_calls
+        processor._sdkiln_calls = number + 1
+        if number >= len(site.key_calls):
+            raise SdkilnError(_miscounted(processor, "more than"))
         if site.call == "dispatch":
             native = functools.partial(self.originals["dispatch"], backend=backend)
         else:
             native = functools.partial(_native_sdpa, self.originals["sdpa"])
+        key_place = site.key_text if site.key_calls[number] == "text" else "none"  # image context: no text
         call = AttentionCall(
             site, processor, query, key, value, attn_mask, scale,
-            _span(site.query_text, query.shape[1], text), _span(site.key_text, key.shape[1], text),
-            parallel_config, native, self.sequence, self.sparse,
+            _span(site.query_text, query.shape[1], text), _span(key_place, key.shape[1], text),
+            parallel_config, native, self.sequence, self.sparse, number,
         )  # fmt: skip
         return self.backend(call)
 
@@ -126,6 +135,14 @@ def _native_sdpa(functional, q, k, v, attn_mask=None, scale=None):
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=attn_mask, scale=scale
     )
     return out.transpose(1, 2)
+
+
+def _miscounted(processor, how: str) -> str:
+    site = processor._sdkiln_site
+    return (
+        f"{processor._sdkiln_name}: its {site.processor} makes {how} the {len(site.key_calls)} attention "
+        f"call(s) its site's key_calls names {site.key_calls} (update the family's AttentionSite)"
+    )
 
 
 class _Calling(threading.local):
@@ -181,11 +198,16 @@ def _routed_class(cls: type, kind: str, name: str) -> type:
     rebound.__kwdefaults__ = call.__kwdefaults__
 
     def __call__(self, *args, **kwargs):
-        _CALLING.processor = self
+        # The attention calls made so far in this call, on the processor (Dynamo replays a mutated
+        # thread-local wrongly across a graph break): the next one's number in AttentionSite.key_calls.
+        _CALLING.processor, self._sdkiln_calls = self, 0
         try:
-            return rebound(self, *args, **kwargs)
+            out = rebound(self, *args, **kwargs)
         finally:
             _CALLING.processor = None
+        if self._sdkiln_calls != len(self._sdkiln_site.key_calls):
+            raise SdkilnError(_miscounted(self, "fewer than"))
+        return out
 
     __call__.__signature__ = inspect.signature(call)  # diffusers passes the kwargs its processor takes
     routed = type(f"Routed{cls.__name__}", (cls,), {"__call__": __call__, "__module__": __name__})
@@ -200,6 +222,7 @@ def _routed_processor(processor: Any, site, name: str, route: AttentionRoute) ->
     routed = object.__new__(cls)
     routed.__dict__.update(processor.__dict__)
     routed._sdkiln_route, routed._sdkiln_site, routed._sdkiln_name = route, site, name
+    routed._sdkiln_calls = 0
     return routed
 
 

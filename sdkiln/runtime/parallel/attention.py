@@ -21,9 +21,11 @@ which positions are padding.
   one fixed order, so the replicated text stays identical on every rank.
 * **Both**: Ulysses inside, ring across (USP): the ring passes Ulysses-gathered blocks.
 
-Cross-attention whose keys are all text (Wan's ``attn2``) needs no communication: each rank attends
-its queries to the whole, replicated text. Padded keys are left out by index; a block with no real
-token is skipped. Attention masks are refused: no family in the zoo passes one.
+Cross-attention whose keys are context only (``AttentionCall.context_keys``: all text, as Wan's
+``attn2``, or an image context, as the first call of Wan2.1 image-to-video's ``attn2``) needs no
+communication: the context is whole on every rank, which attends its queries to it. Padded keys are
+left out by index; a block with no real token is skipped. Attention masks are refused: no family in
+the zoo passes one.
 """
 
 from __future__ import annotations
@@ -159,9 +161,9 @@ def parallel_attention(call: AttentionCall) -> Tensor:
         raise ParallelError(f"{call.name}: attention masks are not supported under sequence parallelism")
     mesh, config = layout.mesh, layout.mesh.config
     q_segs = segments(call.site.query_text, call.query.shape[1], layout)
-    k_segs = segments(call.site.key_text, call.key.shape[1], layout)
-    if all(s.replicated for s in k_segs):  # keys are all replicated text: nothing to exchange
+    if call.context_keys:  # keys are context (all text, or an image context), whole on every rank
         return call.native(call.query, call.key, call.value, scale=call.scale)
+    k_segs = segments(call.site.key_text, call.key.shape[1], layout)
     if q_segs != k_segs:
         raise ParallelError(f"{call.name}: queries and keys are split differently ({q_segs} vs {k_segs})")
     u, heads = config.ulysses, call.query.shape[2]

@@ -14,11 +14,11 @@ on, then:
    of ``sdkiln.kernels.cpu``; on a GPU: Triton's; on Ascend: ``npu_block_sparse_attention``);
 4. puts the output rows back in the sequence order.
 
-Every other call (a layer the plan leaves dense, cross-attention whose keys are all text, the
-dense steps) runs as the unrouted diffusers processor would (``AttentionCall.native``). Under
-Ulysses the parallel backend calls ``SparseAttention`` on its whole-sequence, head-split call with
-the call's first global head, so the per-head plan applies unchanged; ring attention is refused
-(``sdkiln.runtime.parallel.apply``).
+Every other call (a layer the plan leaves dense, cross-attention whose keys are context only, all
+text or an image context, the dense steps) runs as the unrouted diffusers processor would
+(``AttentionCall.native``). Under Ulysses the parallel backend calls ``SparseAttention`` on its
+whole-sequence, head-split call with the call's first global head, so the per-head plan applies
+unchanged; ring attention is refused (``sdkiln.runtime.parallel.apply``).
 """
 
 from __future__ import annotations
@@ -146,8 +146,9 @@ class SparseAttention:
 
     @staticmethod
     def sparse_site(call: AttentionCall) -> bool:
-        """Self-attention over image tokens: what a plan can make sparse (not text-only keys)."""
-        return call.site.key_text != "all"
+        """Self-attention over image tokens: what a plan can make sparse (not keys that are context
+        only: all text, or an image context, which stay dense as text does)."""
+        return not call.context_keys
 
     def head_values(self, call: AttentionCall, values: list[float], head_offset: int) -> Tensor:
         """The plan's value for each of the call's heads [H]: head group ``g`` holds global heads
