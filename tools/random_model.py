@@ -11,21 +11,29 @@ loading path of the original but generates noise: it is for measuring speed and 
 loaders, never for judging quality. A ``sdkiln_random_model.json`` at its root says so and records how it
 was made.
 
-Variants (``VARIANTS``): flux-dev, flux-schnell, sd3.5-large, sd3.5-medium, wan2.1-t2v-14b,
-wan2.1-t2v-1.3b.
+Variants (``VARIANTS``): flux-dev, flux-schnell, flux.1-kontext-dev, flux2-dev, qwen-image,
+hunyuan-video, sd3.5-large, sd3.5-medium, wan2.1-t2v-14b, wan2.1-t2v-1.3b, wan2.1-i2v-14b-480p,
+wan2.2-ti2v-5b. ``sdkiln.model_zoo.detect`` resolves each directory to its family and variant.
 
-``--depth N`` keeps the width and cuts the depth: N transformer blocks (FLUX: N double-stream and 2N
-single-stream blocks; SD3.5: N joint blocks, dual-attention blocks among the first N only; Wan: N
-blocks) and min(N, real) layers in every text encoder. The written configs are the cut ones, so
-``DiffusionPipeline.from_pretrained`` loads the directory as it is. ``--dtype`` stores every component
-in one dtype instead of the dtype its original ships in (``Weights.dtype`` in ``VARIANTS``).
+``--depth N`` keeps the width and cuts the depth: N transformer blocks (two-stream models -- FLUX.1,
+FLUX.2, HunyuanVideo -- N double-stream blocks and as many single-stream blocks per double one as the
+original: 2N, 6N, 2N; SD3.5: N joint blocks, dual-attention blocks among the first N only; Qwen-Image,
+Wan: N blocks), min(N, real) layers in every text encoder and vision tower, and never fewer than a
+pipeline reads an inner hidden state of (``Variant.min_layers``: FLUX.2's Mistral keeps 30 of its 40
+layers, HunyuanVideo's LLaMA 3, Wan I2V's CLIP vision tower 2, whatever N). The written configs are the
+cut ones, so ``DiffusionPipeline.from_pretrained`` loads the directory as it is. ``--dtype`` stores
+every component in one dtype instead of the dtype its original ships in (``Weights.dtype`` in
+``VARIANTS``).
 
 Each component is built with its parameters on the meta device, given storage in its target dtype and
 random values, saved in safetensors shards (about as many files as the original, so at least two for
 every transformer and T5 encoder whatever the depth) and freed before the next one: peak memory is
-about the largest component. The directory is written under a temporary
-name beside ``--out`` and renamed when complete. The tokenizers are built in memory with the real
-vocabulary sizes and special-token ids, in the spirit of ``sdkiln/model_zoo/tiny_text.py``.
+about the largest component (FLUX.2-dev's text encoder, 30 Mistral layers at any depth, is 35 GB in
+bf16). The directory is written under a temporary name beside ``--out`` and renamed when complete. The
+tokenizers (``random_tokenizers.py``) are built in memory with the real vocabulary sizes and
+special-token ids, in the spirit of ``sdkiln/model_zoo/tiny_text.py``; FLUX.2's is written as the
+``PixtralProcessor`` folder its model_index.json names, which loads where torchvision is installed.
+Components stored as plain published files (Wan I2V's ``image_processor``) are copied as they are.
 
 Bench scripts can import it: ``sys.path.insert(0, "tools")``, then ``random_model.build(variant, out,
 depth=2)``.
@@ -36,21 +44,20 @@ from __future__ import annotations
 import argparse
 import gc
 import importlib
-import itertools
 import json
 import math
 import shutil
-import string
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from accelerate import init_empty_weights
-from tokenizers import pre_tokenizers
-from transformers import CLIPTokenizer, T5Tokenizer
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's sdkiln, for the tokenizers
+from random_tokenizers import ClipBpe, Llama3Bpe, Qwen2Bpe, T5Unigram, TekkenBpe  # noqa: E402
 
 TOOL_VERSION = 1
 CONFIGS = Path(__file__).resolve().parent / "model_configs"
@@ -70,82 +77,16 @@ class Weights:
     about as finely (diffusers and transformers shard greedily, tensor by tensor)"""
 
 
-_BYTES = sorted(pre_tokenizers.ByteLevel.alphabet())
-"""The 256 symbols of a byte-level BPE, in the order of CLIP's vocabulary ("!" = 0)."""
-
-
-@dataclass(frozen=True)
-class ClipBpe:
-    """CLIP's byte-level BPE at its real size: the 256 byte symbols, the same with ``</w>``, byte-pair
-    merges up to 49406 entries, then ``<|startoftext|>`` = 49406 and ``<|endoftext|>`` = 49407, the
-    ids of the real vocabulary (CLIP pools at the largest id when its config's ``eos_token_id`` is 2)."""
-
-    pad_token: str = "<|endoftext|>"
-    vocab_size: int = 49408
-    model_max_length: int = 77
-
-    def merges(self) -> list[tuple[str, str]]:
-        symbols = [*_BYTES, *(c + "</w>" for c in _BYTES)]
-        pairs = ((a, b) for a in _BYTES for b in symbols)
-        return list(itertools.islice(pairs, self.vocab_size - 2 - len(symbols)))
-
-    def build(self) -> CLIPTokenizer:
-        merges = self.merges()
-        vocab = [*_BYTES, *(c + "</w>" for c in _BYTES), *(a + b for a, b in merges)]
-        vocab += ["<|startoftext|>", "<|endoftext|>"]
-        return CLIPTokenizer(
-            vocab={token: i for i, token in enumerate(vocab)},
-            merges=merges,
-            pad_token=self.pad_token,
-            model_max_length=self.model_max_length,
-        )
-
-    def save(self, tokenizer: CLIPTokenizer, path: Path) -> None:
-        """``save_pretrained`` writes tokenizer.json; vocab.json and merges.txt are the real repos' files."""
-        tokenizer.save_pretrained(path)
-        vocab = dict(sorted(tokenizer.get_vocab().items(), key=lambda item: item[1]))
-        (path / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False))
-        merges = "".join(f"{a} {b}\n" for a, b in self.merges())
-        (path / "merges.txt").write_text("#version: 0.2\n" + merges)
-
-
-def _words():
-    for n in itertools.count(2):
-        for letters in itertools.product(string.ascii_lowercase, repeat=n):
-            word = "".join(letters)
-            yield ("\u2581" + word, -1.0 - n)
-            yield (word, -2.0 - n)
-
-
-@dataclass(frozen=True)
-class T5Unigram:
-    """A Unigram in T5's SentencePiece layout: ``<pad>`` = 0, ``</s>`` = 1, ``<unk>`` = 2, printable
-    characters and lowercase words up to ``pieces``, then the sentinels with ``<extra_id_0>`` last: the
-    real tokenizer's length, below the encoder's padded vocabulary."""
-
-    pieces: int
-    extra_ids: int
-    model_max_length: int = 512
-
-    def build(self) -> T5Tokenizer:
-        chars = [c for c in string.printable if not c.isspace()]
-        head = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -2.0)]
-        head += [(c, -5.0) for c in chars] + [("\u2581" + c, -5.0) for c in chars]
-        vocab = list(itertools.islice(itertools.chain(head, _words()), self.pieces))
-        vocab += [(f"<extra_id_{i}>", 0.0) for i in reversed(range(self.extra_ids))]
-        return T5Tokenizer(vocab=vocab, extra_ids=self.extra_ids, model_max_length=self.model_max_length)
-
-    def save(self, tokenizer: T5Tokenizer, path: Path) -> None:
-        tokenizer.save_pretrained(path)
-
-
 @dataclass(frozen=True)
 class Variant:
     repo: str
     """the Hugging Face repository whose configs ``tools/model_configs/<variant>/`` holds"""
     weights: dict[str, Weights]
     """per model component (the folders with a config.json)"""
-    tokenizers: dict[str, ClipBpe | T5Unigram]
+    tokenizers: dict[str, ClipBpe | T5Unigram | Qwen2Bpe | Llama3Bpe | TekkenBpe]
+    min_layers: dict[str, int] = field(default_factory=dict)
+    """per text or image encoder that the pipeline reads an inner hidden state of: the fewest layers
+    ``--depth`` leaves it, so that the state the pipeline reads is still a layer's output"""
 
 
 _BF16, _FP16, _FP32 = torch.bfloat16, torch.float16, torch.float32
@@ -162,7 +103,7 @@ _SD3_TOKENIZERS = {
     "tokenizer_2": ClipBpe(pad_token="!"),
     "tokenizer_3": T5Unigram(32000, 100),
 }
-_WAN_TEXT = {"text_encoder": Weights(_FP32, 5), "vae": Weights(_FP32)}
+_WAN_TEXT = {"text_encoder": Weights(_FP32, 5)}
 _WAN_TOKENIZERS = {"tokenizer": T5Unigram(256000, 300)}
 
 VARIANTS: dict[str, Variant] = {
@@ -171,6 +112,35 @@ VARIANTS: dict[str, Variant] = {
     ),
     "flux-schnell": Variant(
         "black-forest-labs/FLUX.1-schnell", {"transformer": Weights(_BF16, 3), **_FLUX_TEXT}, _FLUX_TOKENIZERS
+    ),
+    "flux.1-kontext-dev": Variant(
+        "black-forest-labs/FLUX.1-Kontext-dev",
+        {"transformer": Weights(_BF16, 3), **_FLUX_TEXT},
+        _FLUX_TOKENIZERS,
+    ),
+    # Flux2Pipeline stacks hidden states 10, 20 and 30 of Mistral-Small (text_encoder_out_layers).
+    "flux2-dev": Variant(
+        "black-forest-labs/FLUX.2-dev",
+        {"transformer": Weights(_BF16, 7), "text_encoder": Weights(_BF16, 10), "vae": Weights(_BF16)},
+        {"tokenizer": TekkenBpe()},
+        min_layers={"text_encoder": 30},
+    ),
+    "qwen-image": Variant(
+        "Qwen/Qwen-Image",
+        {"transformer": Weights(_BF16, 9), "text_encoder": Weights(_BF16, 4), "vae": Weights(_BF16)},
+        {"tokenizer": Qwen2Bpe()},
+    ),
+    # HunyuanVideoPipeline reads LLaMA's hidden_states[-3] (num_hidden_layers_to_skip 2).
+    "hunyuan-video": Variant(
+        "hunyuanvideo-community/HunyuanVideo",
+        {
+            "transformer": Weights(_BF16, 6),
+            "text_encoder": Weights(_FP16, 4),
+            "text_encoder_2": Weights(_FP16),
+            "vae": Weights(_FP32),
+        },
+        {"tokenizer": Llama3Bpe(), "tokenizer_2": ClipBpe()},
+        min_layers={"text_encoder": 3},
     ),
     "sd3.5-large": Variant(
         "stabilityai/stable-diffusion-3.5-large",
@@ -184,19 +154,44 @@ VARIANTS: dict[str, Variant] = {
         _SD3_TOKENIZERS,
     ),
     "wan2.1-t2v-14b": Variant(
-        "Wan-AI/Wan2.1-T2V-14B-Diffusers", {"transformer": Weights(_FP32, 12), **_WAN_TEXT}, _WAN_TOKENIZERS
+        "Wan-AI/Wan2.1-T2V-14B-Diffusers",
+        {"transformer": Weights(_FP32, 12), **_WAN_TEXT, "vae": Weights(_FP32)},
+        _WAN_TOKENIZERS,
     ),
     "wan2.1-t2v-1.3b": Variant(
-        "Wan-AI/Wan2.1-T2V-1.3B-Diffusers", {"transformer": Weights(_FP32, 2), **_WAN_TEXT}, _WAN_TOKENIZERS
+        "Wan-AI/Wan2.1-T2V-1.3B-Diffusers",
+        {"transformer": Weights(_FP32, 2), **_WAN_TEXT, "vae": Weights(_FP32)},
+        _WAN_TOKENIZERS,
+    ),
+    # WanImageToVideoPipeline reads the CLIP vision tower's hidden_states[-2]; the conversion script
+    # loads that tower in bf16 (its config's torch_dtype says float32: SOURCE.md).
+    "wan2.1-i2v-14b-480p": Variant(
+        "Wan-AI/Wan2.1-I2V-14B-480P-Diffusers",
+        {
+            "transformer": Weights(_FP32, 14),
+            **_WAN_TEXT,
+            "vae": Weights(_FP32),
+            "image_encoder": Weights(_BF16),
+        },
+        _WAN_TOKENIZERS,
+        min_layers={"image_encoder": 2},
+    ),
+    "wan2.2-ti2v-5b": Variant(
+        "Wan-AI/Wan2.2-TI2V-5B-Diffusers",
+        {"transformer": Weights(_FP32, 4), **_WAN_TEXT, "vae": Weights(_FP32)},
+        _WAN_TOKENIZERS,
     ),
 }
 
 
-def _cut_flux(config: dict, depth: int) -> dict:
-    return {"num_layers": depth, "num_single_layers": min(2 * depth, config["num_single_layers"])}
+def _cut_two_streams(config: dict, depth: int, floor: int) -> dict:
+    """N double-stream blocks and as many single-stream blocks per double one as the real model has
+    (FLUX.1 and HunyuanVideo 2N, FLUX.2 6N)."""
+    per_double = config["num_single_layers"] // config["num_layers"]
+    return {"num_layers": depth, "num_single_layers": min(per_double * depth, config["num_single_layers"])}
 
 
-def _cut_sd3(config: dict, depth: int) -> dict:
+def _cut_sd3(config: dict, depth: int, floor: int) -> dict:
     cut = {"num_layers": depth}
     if "dual_attention_layers" in config:
         cut["dual_attention_layers"] = [i for i in config["dual_attention_layers"] if i < depth]
@@ -204,19 +199,52 @@ def _cut_sd3(config: dict, depth: int) -> dict:
 
 
 def _cut_key(key: str):
-    return lambda config, depth: {key: min(depth, config[key])}
+    return lambda config, depth, floor: {key: min(max(depth, floor), config[key])}
+
+
+def _cut_qwen2_5_vl(config: dict, depth: int, floor: int) -> dict:
+    """Text layers (the top-level copy of the text fields too, as transformers 4.53 wrote them) and
+    vision blocks, keeping the full-attention ones among those left."""
+    text, vision = config["text_config"], config["vision_config"]
+    layers = min(max(depth, floor), text["num_hidden_layers"])
+    blocks = min(depth, vision["depth"])
+    return {
+        "num_hidden_layers": layers,
+        "text_config": text | {"num_hidden_layers": layers, "layer_types": text["layer_types"][:layers]},
+        "vision_config": vision
+        | {
+            "depth": blocks,
+            "fullatt_block_indexes": [i for i in vision["fullatt_block_indexes"] if i < blocks],
+        },
+    }
+
+
+def _cut_mistral3(config: dict, depth: int, floor: int) -> dict:
+    text, vision = config["text_config"], config["vision_config"]
+    return {
+        "text_config": text | {"num_hidden_layers": min(max(depth, floor), text["num_hidden_layers"])},
+        "vision_config": vision | {"num_hidden_layers": min(depth, vision["num_hidden_layers"])},
+    }
 
 
 DEPTH_CUTS = {
-    "FluxTransformer2DModel": _cut_flux,
+    "FluxTransformer2DModel": _cut_two_streams,
+    "Flux2Transformer2DModel": _cut_two_streams,
+    "HunyuanVideoTransformer3DModel": _cut_two_streams,
     "SD3Transformer2DModel": _cut_sd3,
+    "QwenImageTransformer2DModel": _cut_key("num_layers"),
     "WanTransformer3DModel": _cut_key("num_layers"),
     "CLIPTextModel": _cut_key("num_hidden_layers"),
     "CLIPTextModelWithProjection": _cut_key("num_hidden_layers"),
+    "CLIPVisionModelWithProjection": _cut_key("num_hidden_layers"),
+    "LlamaModel": _cut_key("num_hidden_layers"),
     "T5EncoderModel": _cut_key("num_layers"),
     "UMT5EncoderModel": _cut_key("num_layers"),
+    "Qwen2_5_VLForConditionalGeneration": _cut_qwen2_5_vl,
+    "Mistral3ForConditionalGeneration": _cut_mistral3,
 }
-"""What ``--depth N`` changes in a config, by model class; a class not listed (the VAEs) is not cut."""
+"""What ``--depth N`` changes in a config, by model class, given the component's ``min_layers`` (1
+when it has none); a class not listed (the VAEs) is not cut."""
 
 
 def variant_spec(variant: str) -> Variant:
@@ -226,31 +254,53 @@ def variant_spec(variant: str) -> Variant:
 
 
 def model_index(variant: str) -> dict:
-    """The published model_index.json: component name -> [library, class name]."""
+    """The published model_index.json: component name -> [library, class name], and the pipeline's
+    registered settings (Wan2.2's ``expand_timesteps``)."""
     variant_spec(variant)
     return json.loads((CONFIGS / variant / "model_index.json").read_text())
 
 
+def components(variant: str) -> dict[str, tuple[str, str]]:
+    """The components model_index.json names with a class: not the settings, not the optional
+    components saved empty (Wan2.2-TI2V's ``transformer_2`` is [null, null])."""
+    return {
+        name: tuple(entry)
+        for name, entry in model_index(variant).items()
+        if not name.startswith("_") and isinstance(entry, list) and None not in entry
+    }
+
+
+def copied(variant: str) -> list[str]:
+    """Components stored as their published files and copied as they are (Wan I2V's image processor):
+    neither weights, tokenizers nor the scheduler."""
+    spec = variant_spec(variant)
+    return [
+        name
+        for name in components(variant)
+        if name not in spec.weights and name not in spec.tokenizers and name != "scheduler"
+    ]
+
+
 def max_depth(variant: str) -> int:
-    """The transformer's block count, the largest ``--depth`` (FLUX: its double-stream blocks)."""
+    """The transformer's block count, the largest ``--depth`` (two-stream models: their double-stream
+    blocks)."""
     return json.loads((CONFIGS / variant / "transformer" / "config.json").read_text())["num_layers"]
 
 
 def component_configs(variant: str, depth: int | None = None) -> dict[str, tuple[str, str, dict]]:
     """``{name: (library, class name, config)}`` for the model components and the scheduler, cut to
-    ``depth``; tokenizers are not listed (they have no published config here)."""
+    ``depth``; tokenizers and copied components are not listed."""
     spec = variant_spec(variant)
     if depth is not None and not 1 <= depth <= max_depth(variant):
         raise ValueError(f"--depth must be between 1 and {max_depth(variant)} for {variant}, got {depth}")
     out = {}
-    for name, entry in model_index(variant).items():
-        if name.startswith("_") or name in spec.tokenizers:
+    for name, (library, class_name) in components(variant).items():
+        if name in spec.tokenizers or name in copied(variant):
             continue
-        library, class_name = entry
         file = "config.json" if name in spec.weights else "scheduler_config.json"
         config = json.loads((CONFIGS / variant / name / file).read_text())
         if depth is not None and class_name in DEPTH_CUTS:
-            config |= DEPTH_CUTS[class_name](config, depth)
+            config |= DEPTH_CUTS[class_name](config, depth, spec.min_layers.get(name, 1))
         out[name] = (library, class_name, config)
     return out
 
@@ -332,15 +382,19 @@ def _write(
 ) -> dict:
     """Each component under ``root``, one line printed per component; what ``MARKER`` records of them.
     Every model draws from its own generator, so its values do not depend on the other components."""
-    components = {}
+    record = {}
     for index, (name, (library, class_name, config)) in enumerate(component_configs(variant, depth).items()):
         start = time.perf_counter()
         path = root / name
         if name not in spec.weights:  # the scheduler
             getattr(importlib.import_module(library), class_name).from_config(config).save_pretrained(path)
-            components[name] = {"class": class_name, "bytes": _report(name, class_name, "-", path, start)}
+            record[name] = {"class": class_name, "bytes": _report(name, class_name, "-", path, start)}
             continue
         weights = spec.weights[name]
+        if depth is not None and spec.min_layers.get(name, 1) > depth:
+            print(
+                f"{name}: {spec.min_layers[name]} layers at least, the pipeline reads a hidden state that deep"
+            )
         model = empty_model(library, class_name, config)
         target = dtype or weights.dtype
         randomize(model, target, torch.Generator().manual_seed(seed * 1000 + index))
@@ -352,7 +406,7 @@ def _write(
         del model
         gc.collect()
         nbytes = _report(name, class_name, f"{params / 1e6:,.1f}M params", path, start)
-        components[name] = {
+        record[name] = {
             "class": class_name,
             "dtype": str(target).removeprefix("torch."),
             "params": params,
@@ -363,12 +417,17 @@ def _write(
         tokenizer = tokenizer_spec.build()
         tokenizer_spec.save(tokenizer, root / name)
         cls = type(tokenizer).__name__
-        components[name] = {
+        record[name] = {
             "class": cls,
             "tokens": len(tokenizer),
             "bytes": _report(name, cls, f"{len(tokenizer):,} tokens", root / name, start),
         }
-    return components
+    for name in copied(variant):
+        start = time.perf_counter()
+        shutil.copytree(CONFIGS / variant / name, root / name)
+        cls = components(variant)[name][1]
+        record[name] = {"class": cls, "bytes": _report(name, cls, "published files", root / name, start)}
+    return record
 
 
 def build(
@@ -392,7 +451,7 @@ def build(
     tmp = Path(tempfile.mkdtemp(prefix=f"{out.name}.tmp-", dir=out.parent))
     try:
         (tmp / "model_index.json").write_text((CONFIGS / variant / "model_index.json").read_text())
-        components = _write(variant, spec, tmp, depth, dtype, seed)
+        written = _write(variant, spec, tmp, depth, dtype, seed)
         record = {
             "tool": "tools/random_model.py",
             "tool_version": TOOL_VERSION,
@@ -402,7 +461,7 @@ def build(
             "depth": depth,
             "dtype": None if dtype is None else str(dtype).removeprefix("torch."),
             "seed": seed,
-            "components": components,
+            "components": written,
         }
         (tmp / MARKER).write_text(json.dumps(record, indent=2) + "\n")
         check_out(out, force)
@@ -423,7 +482,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("variant", help=f"one of: {', '.join(VARIANTS)}")
     parser.add_argument("--out", required=True, type=Path, help="directory to write")
-    parser.add_argument("--depth", type=int, help="transformer blocks to keep (FLUX: N double + 2N single)")
+    parser.add_argument(
+        "--depth", type=int, help="transformer blocks to keep (two-stream models: N double-stream blocks)"
+    )
     parser.add_argument("--dtype", choices=DTYPES, help="store every component in this dtype")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--force", action="store_true", help="replace --out if this tool wrote it")
