@@ -13,7 +13,7 @@ was made.
 
 Variants (``VARIANTS``): flux-dev, flux-schnell, flux.1-kontext-dev, flux2-dev, qwen-image,
 hunyuan-video, sd3.5-large, sd3.5-medium, wan2.1-t2v-14b, wan2.1-t2v-1.3b, wan2.1-i2v-14b-480p,
-wan2.2-ti2v-5b. ``sdkiln.model_zoo.detect`` resolves each directory to its family and variant.
+wan2.2-ti2v-5b, wan2.2-t2v-a14b (two experts). ``sdkiln.model_zoo.detect`` resolves each directory to its family and variant.
 
 ``--depth N`` keeps the width and cuts the depth: N transformer blocks (two-stream models -- FLUX.1,
 FLUX.2, HunyuanVideo -- N double-stream blocks and as many single-stream blocks per double one as the
@@ -175,6 +175,16 @@ VARIANTS: dict[str, Variant] = {
         },
         _WAN_TOKENIZERS,
         min_layers={"image_encoder": 2},
+    ),
+    "wan2.2-t2v-a14b": Variant(
+        "Wan-AI/Wan2.2-T2V-A14B-Diffusers",
+        {
+            "transformer": Weights(_FP32, 12),
+            "transformer_2": Weights(_FP32, 12),
+            **_WAN_TEXT,
+            "vae": Weights(_FP32),
+        },
+        _WAN_TOKENIZERS,
     ),
     "wan2.2-ti2v-5b": Variant(
         "Wan-AI/Wan2.2-TI2V-5B-Diffusers",

@@ -64,6 +64,12 @@ PUBLISHED_PARAMS = {
         "image_encoder": 632.1,
     },
     "wan2.2-ti2v-5b": {"transformer": 4_999.8, "text_encoder": 5_680.9, "vae": 704.7},
+    "wan2.2-t2v-a14b": {
+        "transformer": 14_288.5,
+        "transformer_2": 14_288.5,
+        "text_encoder": 5_680.9,
+        "vae": 126.9,
+    },
 }
 """Millions of parameters of the full-size components: FLUX.1's 11.9B transformer (guidance embedder on
 dev only), T5 v1.1 XXL's 4.76B encoder (9.5 GB in bf16), SD3.5 Large's 8.1B and Medium's 2.2B (2.5B with
@@ -73,7 +79,7 @@ transformers 5's Mistral3Config ties the 671M-parameter output head to the embed
 ``tie_word_embeddings`` defaults to true and the stored config sets none); Qwen-Image's 20.4B and
 Qwen2.5-VL-7B's 8.29B;
 HunyuanVideo's 12.8B and LLaMA-3-8B's 7.5B without its head; Wan2.1-I2V's 16.4B and CLIP ViT-H/14's 632M
-vision tower; Wan2.2-TI2V's 5.0B and its 705M VAE."""
+vision tower; Wan2.2-TI2V's 5.0B and its 705M VAE; Wan2.2-T2V-A14B's two experts of Wan2.1-14B's 14.3B."""
 
 DETECTED = {
     "flux-dev": ("flux", "FLUX.1-dev"),
@@ -88,6 +94,7 @@ DETECTED = {
     "wan2.1-t2v-1.3b": ("wan", "Wan2.1-T2V-1.3B"),
     "wan2.1-i2v-14b-480p": ("wan-i2v", "Wan2.1-I2V-14B"),
     "wan2.2-ti2v-5b": ("wan", "Wan2.2-TI2V-5B"),
+    "wan2.2-t2v-a14b": ("wan2.2-a14b", "Wan2.2-T2V-A14B"),
 }
 """What ``sdkiln.model_zoo.detect`` resolves each variant's directory to (family, variant)."""
 
@@ -412,6 +419,7 @@ SLOW_CALLS = {
     "hunyuan-video": {"num_frames": 5, "max_sequence_length": 32},
     "wan2.1-i2v-14b-480p": {"image": True, "num_frames": 5},
     "wan2.2-ti2v-5b": {"num_frames": 5},
+    "wan2.2-t2v-a14b": {"num_frames": 5, "num_inference_steps": 2},  # one step for each expert
 }
 """One small call per variant written by the slow test below (besides a 64x64 size and one step)."""
 
