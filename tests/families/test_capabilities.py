@@ -165,7 +165,14 @@ def test_sparse(name, tmp_path):
     loaded(prompt=result.spec.eval_prompts[0], generator=torch.Generator().manual_seed(0), **call, **inputs)
 
 
-COMPILE_SLOW = {"flux-kontext-tiny", "flux2-tiny", "hunyuan-video-tiny", "wan-i2v-tiny", "wan2.2-a14b-tiny"}
+COMPILE_SLOW = {
+    "flux-kontext-tiny",
+    "flux2-tiny",
+    "hunyuan-video-tiny",
+    "qwen-image-tiny",
+    "wan-i2v-tiny",
+    "wan2.2-a14b-tiny",
+}
 """Families whose whole-transformer compile takes over 10 s on 2 cores: under --run-slow (CI budget).
 Wan2.2-A14B's experts are wan-tiny's transformer class, compiled in tests/runtime."""
 
