@@ -13,7 +13,8 @@ was made.
 
 Variants (``VARIANTS``): flux-dev, flux-schnell, flux.1-kontext-dev, flux2-dev, qwen-image,
 hunyuan-video, sd3.5-large, sd3.5-medium, wan2.1-t2v-14b, wan2.1-t2v-1.3b, wan2.1-i2v-14b-480p,
-wan2.2-ti2v-5b, wan2.2-t2v-a14b (two experts). ``sdkiln.model_zoo.detect`` resolves each directory to its family and variant.
+wan2.2-ti2v-5b, wan2.2-t2v-a14b and wan2.2-i2v-a14b (two experts each). ``sdkiln.model_zoo.detect``
+resolves each directory to its family and variant.
 
 ``--depth N`` keeps the width and cuts the depth: N transformer blocks (two-stream models -- FLUX.1,
 FLUX.2, HunyuanVideo -- N double-stream blocks and as many single-stream blocks per double one as the
@@ -178,6 +179,17 @@ VARIANTS: dict[str, Variant] = {
     ),
     "wan2.2-t2v-a14b": Variant(
         "Wan-AI/Wan2.2-T2V-A14B-Diffusers",
+        {
+            "transformer": Weights(_FP32, 12),
+            "transformer_2": Weights(_FP32, 12),
+            **_WAN_TEXT,
+            "vae": Weights(_FP32),
+        },
+        _WAN_TOKENIZERS,
+    ),
+    # No image encoder: the picture enters only through the experts' 36 latent channels.
+    "wan2.2-i2v-a14b": Variant(
+        "Wan-AI/Wan2.2-I2V-A14B-Diffusers",
         {
             "transformer": Weights(_FP32, 12),
             "transformer_2": Weights(_FP32, 12),

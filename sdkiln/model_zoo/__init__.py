@@ -30,6 +30,7 @@ _FAMILY_MODULES = {
     "wan": "sdkiln.model_zoo.wan",
     "wan-i2v": "sdkiln.model_zoo.wan_i2v",
     "wan2.2-a14b": "sdkiln.model_zoo.wan22_a14b",
+    "wan2.2-a14b-i2v": "sdkiln.model_zoo.wan22_a14b_i2v",
 }
 # zoo name (a model `optimize` builds by name; the family packages made before variants record) -> family
 _ZOO = {
@@ -43,6 +44,7 @@ _ZOO = {
     "wan-tiny": "wan",
     "wan-i2v-tiny": "wan-i2v",
     "wan2.2-a14b-tiny": "wan2.2-a14b",
+    "wan2.2-a14b-i2v-tiny": "wan2.2-a14b-i2v",
 }
 DEFAULT_MODEL = "fmnist-flux"
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}

@@ -26,30 +26,38 @@ from sdkiln.model_zoo.wan import SPEC as WAN_SPEC
 from sdkiln.model_zoo.wan import tiny as wan_tiny
 
 if TYPE_CHECKING:
+    import torch
     from diffusers import WanPipeline
 
 _SEED_2 = 1
-_TINY_BOUNDARY = 0.75
-"""At the tiny build's 8 steps (timesteps 1000, 948, 883, 801, 694, 548, 338, 9) each expert runs four."""
+TINY_BOUNDARY = 0.75
+"""At the tiny builds' 8 steps (timesteps 1000, 948, 883, 801, 694, 548, 338, 9) each expert runs four."""
+
+
+def second_expert(transformer: torch.nn.Module) -> torch.nn.Module:
+    """A copy of the test build's ``transformer`` with other random weights (each parameter plus
+    noise of std 0.02, seeded), for the low-noise expert: the same size, its own quantization scales
+    and cache schedule."""
+    import copy
+
+    import torch
+
+    expert = copy.deepcopy(transformer)
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        torch.manual_seed(_SEED_2)
+        for param in expert.parameters():
+            param.add_(torch.randn_like(param) * 0.02)
+    return expert
 
 
 def tiny() -> WanPipeline:
     """Wan's test build (``wan.tiny``) with a second expert of the same size and other random weights,
     switched at ``boundary_ratio`` 0.75: ``transformer`` runs steps 0-3 of 8, ``transformer_2`` steps 4-7."""
-    import copy
-
-    import torch
-
     base = wan_tiny()
-    expert = copy.deepcopy(base.transformer)
-    with torch.random.fork_rng(devices=[]), torch.no_grad():
-        torch.manual_seed(_SEED_2)
-        for param in expert.parameters():
-            param.add_(torch.randn_like(param) * 0.02)
     return type(base)(
         **{k: v for k, v in base.components.items() if k != "transformer_2"},
-        transformer_2=expert,
-        boundary_ratio=_TINY_BOUNDARY,
+        transformer_2=second_expert(base.transformer),
+        boundary_ratio=TINY_BOUNDARY,
     )
 
 

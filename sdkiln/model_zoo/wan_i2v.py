@@ -30,7 +30,9 @@ Variants, by transformer width: Wan2.1-I2V-14B (40 heads of 128, FFN 13824, imag
 480P and 720P checkpoints have the same transformer config, so no directory tells them apart: the
 variant's defaults are WanImageToVideoPipeline's and the 480P model card's (480x832, 81 frames, 50
 steps, guidance 5.0, 512 text tokens); a 720P run deploys at 720x1280. Wan2.2-I2V-A14B (two experts,
-no image encoder) is refused by its layout before anything loads.
+``transformer`` and ``transformer_2`` below ``boundary_ratio``, and no image encoder) is this pipeline
+class too: a directory that sets both entries is the ``wan2.2-a14b-i2v`` family's (``wan22_a14b_i2v.py``),
+one that sets only one of them is refused before anything loads.
 """
 
 from __future__ import annotations
@@ -188,9 +190,9 @@ WAN_I2V_VARIANTS = (
         sparse_block_size=16,
     ),
 )
-_TWO_EXPERTS = (
-    "Wan2.2-I2V-A14B's two-expert layout is not supported yet; sdkiln optimizes one transformer, not a "
-    "second one (transformer_2) taking over below boundary_ratio (supported: Wan2.1-I2V-14B)"
+_HALF_LAYOUT = (
+    "a WanImageToVideoPipeline sets transformer_2 or boundary_ratio but not both: neither Wan2.1-I2V's one "
+    "transformer nor Wan2.2-I2V-A14B's two experts (the wan2.2-a14b-i2v family, which needs both)"
 )
 
 SPEC = ModelSpec(
@@ -231,5 +233,5 @@ SPEC = ModelSpec(
         "it hard-codes), and with the token axes the ONNX export makes dynamic, torch.export cannot size "
         "that slice (a data-dependent guard in the image-key attention)",
     },
-    unsupported_layout={key: _TWO_EXPERTS for key in ("transformer_2", "boundary_ratio")},
+    unsupported_layout={key: _HALF_LAYOUT for key in ("transformer_2", "boundary_ratio")},
 ).resolve("tiny")

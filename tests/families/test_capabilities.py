@@ -57,6 +57,7 @@ EXPECTED_PATTERNS = {
     "wan-tiny": {"rms_norm", "adaln", "rope", "gelu_tanh", "gate_add"},
     "wan-i2v-tiny": {"rms_norm", "adaln", "rope", "gelu_tanh", "gate_add"},
     "wan2.2-a14b-tiny": {"rms_norm", "adaln", "rope", "gelu_tanh", "gate_add"},
+    "wan2.2-a14b-i2v-tiny": {"rms_norm", "adaln", "rope", "gelu_tanh", "gate_add"},
     # Qwen-Image computes RoPE in complex numbers, which no pattern matches
     "qwen-image-tiny": {"rms_norm", "adaln", "gelu_tanh", "gate_add"},
     # the single blocks add their residual last: "gate * x + residual", a gate_add form of its own
@@ -172,9 +173,10 @@ COMPILE_SLOW = {
     "qwen-image-tiny",
     "wan-i2v-tiny",
     "wan2.2-a14b-tiny",
+    "wan2.2-a14b-i2v-tiny",
 }
 """Families whose whole-transformer compile takes over 10 s on 2 cores: under --run-slow (CI budget).
-Wan2.2-A14B's experts are wan-tiny's transformer class, compiled in tests/runtime."""
+Wan2.2-A14B's experts (text- and image-to-video) are wan-tiny's transformer class, compiled in tests/runtime."""
 
 
 @pytest.mark.parametrize("name", families(where=having("compile"), slow=COMPILE_SLOW))

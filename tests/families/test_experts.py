@@ -3,8 +3,10 @@
 runs, packaged with its own sections, and restored, compiled and checked as its own model.
 
 The package is the family suite's (tests/families/test_capabilities.py: W8A8 dynamic with a searched
-cache schedule), made once here with the same recipe. Outputs: a loaded package against the in-memory
-optimized pipeline is bit-identical (``assert_same_outputs``, one CPU thread).
+cache schedule), made once per family here with the same recipe. The experts checks run on both
+two-expert families (text- and image-to-video, ``NAMES``), the checks of the package format on
+text-to-video's. Outputs: a loaded package against the in-memory optimized pipeline is bit-identical
+(``assert_same_outputs``, one CPU thread).
 """
 
 from __future__ import annotations
@@ -22,22 +24,36 @@ from sdkiln.runtime.cache import cache_runner
 from sdkiln.runtime.quant.w8a8_dynamic import W8A8DynamicLinear
 
 NAME = "wan2.2-a14b-tiny"
+NAMES = (NAME, "wan2.2-a14b-i2v-tiny")
 EXPERT = "transformer_2"
 
 
 @pytest.fixture(scope="module")
-def a14b(tmp_path_factory):
-    cache = CacheAutoConfig(
-        calib_samples=1, eval_samples=1, budgets=2, refine=0, psnr_floor_db=0.0, psnr_p5_floor_db=0.0
-    )
-    recipe = RecipeConfig("suite", [W8A8DynamicConfig(), cache])
-    return sdkiln.optimize(
-        NAME, recipe, tmp_path_factory.mktemp("a14b") / "pkg", eval_samples=0, progress=False
-    )
+def packages(tmp_path_factory):
+    """``packages(name)``: the family's package, made once."""
+    made = {}
+
+    def get(name: str):
+        if name not in made:
+            cache = CacheAutoConfig(
+                calib_samples=1, eval_samples=1, budgets=2, refine=0, psnr_floor_db=0.0, psnr_p5_floor_db=0.0
+            )
+            recipe = RecipeConfig("suite", [W8A8DynamicConfig(), cache])
+            out = tmp_path_factory.mktemp("a14b") / "pkg"
+            made[name] = sdkiln.optimize(name, recipe, out, eval_samples=0, progress=False)
+        return made[name]
+
+    return get
 
 
-def _steps_run(pipe) -> dict[str, set[int]]:
-    """The denoising steps each transformer computed in one call of ``pipe``."""
+@pytest.fixture
+def a14b(packages):
+    return packages(NAME)
+
+
+def _steps_run(pipe, spec) -> dict[str, set[int]]:
+    """The denoising steps each transformer computed in one call of ``pipe`` (with the spec's
+    conditioning picture for image-to-video)."""
     seen: dict[str, set[int]] = {"transformer": set(), EXPERT: set()}
     handles = [
         getattr(pipe, attr).register_forward_pre_hook(
@@ -47,16 +63,23 @@ def _steps_run(pipe) -> dict[str, set[int]]:
     ]
     call = {**pipe.sdkiln_manifest["call"]["defaults"], "output_type": "latent"}
     try:
-        pipe(prompt="a boat on a lake", generator=torch.Generator().manual_seed(0), **call)
+        pipe(
+            prompt="a boat on a lake",
+            generator=torch.Generator().manual_seed(0),
+            **call,
+            **spec.condition(call),
+        )
     finally:
         for handle in handles:
             handle.remove()
     return seen
 
 
-def test_manifest_holds_both_experts(a14b):
+@pytest.mark.parametrize("name", NAMES)
+def test_manifest_holds_both_experts(name, packages):
     """Both experts are quantized and cache-searched, each on its own steps, and the manifest, the
     schedules and the files say so."""
+    a14b = packages(name)
     m = a14b.manifest
     expert = m["experts"][EXPERT]
     assert set(expert) == {"model", "modules", "steps", "cache_schedule"}
@@ -77,17 +100,19 @@ def test_manifest_holds_both_experts(a14b):
     assert all(a == "full" for a in schedules[EXPERT]["actions"]["batched"][:4])
 
 
-def test_each_expert_runs_its_quantized_modules_on_its_steps(a14b, assert_same_outputs):
+@pytest.mark.parametrize("name", NAMES)
+def test_each_expert_runs_its_quantized_modules_on_its_steps(name, packages, assert_same_outputs):
     """The loaded package: each expert's layers are the quantized ones, each expert computes the steps
     its side of the boundary and reuses blocks by its own schedule, and the outputs equal the
     in-memory pipeline's."""
+    a14b = packages(name)
     loaded = sdkiln.load(a14b.package, device="cpu")
     for attr in ("transformer", EXPERT):
         assert isinstance(getattr(loaded, attr).blocks[0].ffn.net[2], W8A8DynamicLinear), attr
     runners = {attr: cache_runner(getattr(loaded, attr)) for attr in ("transformer", EXPERT)}
     for runner in runners.values():
         runner.reset_counters()
-    assert _steps_run(loaded) == {"transformer": {0, 1, 2, 3}, EXPERT: {4, 5, 6, 7}}
+    assert _steps_run(loaded, a14b.spec) == {"transformer": {0, 1, 2, 3}, EXPERT: {4, 5, 6, 7}}
     blocks = len(loaded.transformer.blocks)
     for attr, runner in runners.items():
         assert runner.transformer_calls == 8, attr  # 4 steps x 2 guidance branches
@@ -102,20 +127,25 @@ def test_compile_wraps_both_experts(a14b):
         assert isinstance(getattr(loaded, attr), torch._dynamo.eval_frame.OptimizedModule), attr
 
 
-def test_directory_is_detected(tmp_path):
-    """A saved directory with both experts is the wan2.2-a14b family; one with half the layout is refused."""
-    pipe = get_spec(NAME).build()
+@pytest.mark.parametrize(
+    "name,family,half",
+    [
+        (NAME, "wan2.2-a14b", "neither Wan's one transformer nor"),
+        (NAMES[1], "wan2.2-a14b-i2v", "neither Wan2.1-I2V's one transformer nor"),
+    ],
+    ids=["t2v", "i2v"],
+)
+def test_directory_is_detected(name, family, half, tmp_path):
+    """A saved directory with both experts is its two-expert family; one with half the layout is
+    refused by the one-transformer family of its pipeline class."""
+    pipe = get_spec(name).build()
     pipe.save_pretrained(tmp_path / "a14b")
     spec = detect(tmp_path / "a14b")
-    assert (spec.family, spec.variant, spec.transformer_attrs) == (
-        "wan2.2-a14b",
-        "tiny",
-        ("transformer", EXPERT),
-    )
+    assert (spec.family, spec.variant, spec.transformer_attrs) == (family, "tiny", ("transformer", EXPERT))
     index = json.loads((tmp_path / "a14b" / "model_index.json").read_text())
     index["boundary_ratio"] = None
     (tmp_path / "a14b" / "model_index.json").write_text(json.dumps(index))
-    with pytest.raises(ModelError, match="neither Wan's one transformer nor"):
+    with pytest.raises(ModelError, match=f"sets transformer_2 or boundary_ratio but not both: {half}"):
         detect(tmp_path / "a14b")
 
 

@@ -70,6 +70,12 @@ PUBLISHED_PARAMS = {
         "text_encoder": 5_680.9,
         "vae": 126.9,
     },
+    "wan2.2-i2v-a14b": {
+        "transformer": 14_288.9,
+        "transformer_2": 14_288.9,
+        "text_encoder": 5_680.9,
+        "vae": 126.9,
+    },
 }
 """Millions of parameters of the full-size components: FLUX.1's 11.9B transformer (guidance embedder on
 dev only), T5 v1.1 XXL's 4.76B encoder (9.5 GB in bf16), SD3.5 Large's 8.1B and Medium's 2.2B (2.5B with
@@ -79,7 +85,9 @@ transformers 5's Mistral3Config ties the 671M-parameter output head to the embed
 ``tie_word_embeddings`` defaults to true and the stored config sets none); Qwen-Image's 20.4B and
 Qwen2.5-VL-7B's 8.29B;
 HunyuanVideo's 12.8B and LLaMA-3-8B's 7.5B without its head; Wan2.1-I2V's 16.4B and CLIP ViT-H/14's 632M
-vision tower; Wan2.2-TI2V's 5.0B and its 705M VAE; Wan2.2-T2V-A14B's two experts of Wan2.1-14B's 14.3B."""
+vision tower; Wan2.2-TI2V's 5.0B and its 705M VAE; Wan2.2-T2V-A14B's two experts of Wan2.1-14B's 14.3B,
+and Wan2.2-I2V-A14B's, 0.4M more each for the patch embedding of 36 channels (counted from the configs:
+no published per-expert count)."""
 
 DETECTED = {
     "flux-dev": ("flux", "FLUX.1-dev"),
@@ -95,6 +103,7 @@ DETECTED = {
     "wan2.1-i2v-14b-480p": ("wan-i2v", "Wan2.1-I2V-14B"),
     "wan2.2-ti2v-5b": ("wan", "Wan2.2-TI2V-5B"),
     "wan2.2-t2v-a14b": ("wan2.2-a14b", "Wan2.2-T2V-A14B"),
+    "wan2.2-i2v-a14b": ("wan2.2-a14b-i2v", "Wan2.2-I2V-A14B"),
 }
 """What ``sdkiln.model_zoo.detect`` resolves each variant's directory to (family, variant)."""
 
@@ -420,6 +429,7 @@ SLOW_CALLS = {
     "wan2.1-i2v-14b-480p": {"image": True, "num_frames": 5},
     "wan2.2-ti2v-5b": {"num_frames": 5},
     "wan2.2-t2v-a14b": {"num_frames": 5, "num_inference_steps": 2},  # one step for each expert
+    "wan2.2-i2v-a14b": {"image": True, "num_frames": 5, "num_inference_steps": 2},  # timesteps 999, 833
 }
 """One small call per variant written by the slow test below (besides a 64x64 size and one step)."""
 
