@@ -360,6 +360,12 @@ class ModelSpec:
         """Every transformer the pipeline holds and ``optimize`` optimizes, the first one first."""
         return (self.transformer_attr, *self.experts)
 
+    @property
+    def several_transformers(self) -> bool:
+        """Whether the pipeline holds transformers besides this spec's (which may be an expert's:
+        ``TransformContext.for_transformer``)."""
+        return bool(self.experts) or self.transformer_attr in self.layout
+
     def matches_layout(self, index: Mapping[str, Any]) -> bool:
         """Whether the pipeline config ``index`` (model_index.json) sets every ``layout`` entry."""
         return all(_plain(index.get(key)) not in (None, [None, None]) for key in self.layout)

@@ -23,6 +23,7 @@ from __future__ import annotations
 from typing import Any
 
 from sdkiln.errors import PackageError
+from sdkiln.model_zoo import get_spec
 from sdkiln.runtime import loader, restore
 from sdkiln.runtime.manifest_schema import (
     DTYPES,
@@ -42,7 +43,14 @@ AUDIT = "steps"
 def expert_views(manifest: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """Each expert's view of the manifest (the module docstring), its entry checked first."""
     where = f"manifest.json: {NAME}"
-    entries = expect_dict(manifest[NAME], where)
+    entries = expect_dict(manifest.get(NAME, {}), where)
+    info = manifest["model"]
+    declared = get_spec(info["family"], info.get("variant")).experts
+    if set(entries) != set(declared):
+        raise PackageError(
+            f"{where}: the package's experts are {sorted(entries)}, but {info['family']} pipelines have "
+            f"{sorted(declared)}"
+        )
     index = manifest["files"]
     views = {}
     for attr, entry in entries.items():
@@ -56,6 +64,11 @@ def expert_views(manifest: dict[str, Any]) -> dict[str, dict[str, Any]]:
         model = expect_dict(entry["model"], f"{at}.model", EXPERT_MODEL_FIELDS)
         for key in EXPERT_MODEL_FIELDS:
             expect_str(model[key], f"{at}.model.{key}", *MODEL_FIELDS[key])
+        if model["transformer_class"] != info["transformer_class"]:
+            raise PackageError(
+                f"{at}.model.transformer_class: must be {info['transformer_class']}, as the package's"
+            )
+        expect_dict(entry.get("modules", {}), f"{at}.modules")
         if model["dtype"] not in DTYPES:
             raise PackageError(f"{at}.model.dtype: must be one of {DTYPES}, got {model['dtype']!r}")
         for i, name in enumerate(expect_list(model.get("nonpersistent_buffers", []), f"{at}.model.buffers")):
@@ -71,7 +84,7 @@ def expert_views(manifest: dict[str, Any]) -> dict[str, dict[str, Any]]:
             )
         views[attr] = {
             **{k: manifest[k] for k in CORE_FIELDS if k in manifest},
-            "model": {**manifest["model"], **model, "transformer_attr": attr},
+            "model": {**manifest["model"], "nonpersistent_buffers": [], **model, "transformer_attr": attr},
             "modules": {},
             **sections,
         }
@@ -97,6 +110,12 @@ def attach_experts(ctx: RestoreContext) -> None:
     ctx.notes[NAME] = {attr: expert.notes for attr, (expert, _) in ctx.notes[NAME].items()}
 
 
-SECTION = Section(
-    name=NAME, present=lambda manifest: NAME in manifest, build=build_experts, attach=attach_experts
-)
+def _present(manifest: dict[str, Any]) -> bool:
+    """A package of a family with experts must carry them (``expert_views`` refuses one that does not);
+    an expert's own view carries none."""
+    info = manifest["model"]
+    experts = get_spec(info["family"], info.get("variant")).experts
+    return NAME in manifest or (bool(experts) and info["transformer_attr"] not in experts)
+
+
+SECTION = Section(name=NAME, present=_present, build=build_experts, attach=attach_experts)

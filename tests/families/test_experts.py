@@ -152,12 +152,19 @@ def test_directory_is_detected(name, family, half, tmp_path):
 @pytest.mark.parametrize(
     "change,message",
     [
-        (lambda e: e.pop("model"), "missing 'model'"),
-        (lambda e: e["model"].update(dtype="int8"), "dtype: must be one of"),
-        (lambda e: e.update(recipe={}), "an expert carries sections"),
-        (lambda e: e.update(unknown={}), "unknown section 'unknown'"),
+        (lambda m: m["experts"][EXPERT].pop("model"), "missing 'model'"),
+        (lambda m: m["experts"][EXPERT]["model"].update(dtype="int8"), "dtype: must be one of"),
+        (lambda m: m["experts"][EXPERT].update(recipe={}), "an expert carries sections"),
+        (lambda m: m["experts"][EXPERT].update(unknown={}), "unknown section 'unknown'"),
+        (lambda m: m["experts"][EXPERT].update(modules=[]), "modules: must be an object"),
+        (
+            lambda m: m["experts"][EXPERT]["model"].update(transformer_class="AutoencoderKLWan"),
+            "transformer_class: must be WanTransformer3DModel",
+        ),
+        (lambda m: m.pop("experts"), r"the package's experts are \[\], but wan2.2-a14b pipelines have"),
+        (lambda m: m["experts"].update(vae=m["experts"][EXPERT]), "the package's experts are"),
     ],
-    ids=["no-model", "dtype", "core-field", "unknown-section"],
+    ids=["no-model", "dtype", "core-field", "unknown-section", "modules", "class", "dropped", "vae"],
 )
 def test_bad_expert_entry_is_refused(a14b, tmp_path, change, message):
     """A tampered ``experts`` entry is one PackageError naming it (the manifest re-signed: the check is
@@ -167,7 +174,7 @@ def test_bad_expert_entry_is_refused(a14b, tmp_path, change, message):
     pkg = tmp_path / "pkg"
     shutil.copytree(a14b.package, pkg)
     manifest = json.loads((pkg / "manifest.json").read_text())
-    change(manifest["experts"][EXPERT])
+    change(manifest)
     (pkg / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(PackageError, match=message):
         sdkiln.load(pkg, device="cpu")
@@ -181,3 +188,32 @@ def test_diffusers_view_refuses_experts(a14b, tmp_path):
     with pytest.raises(SdkilnError, match="writes one transformer, and this package has others too"):
         export_diffusers(a14b.package, tmp_path / "view")
     assert not (tmp_path / "view").exists()
+
+
+@pytest.mark.parametrize("steps", [5, 6, 7])
+def test_another_step_count_runs_each_expert_from_a_full_step(a14b, steps):
+    """At another step count each schedule is mapped by sigma; the low-noise expert's first call may map
+    onto a reuse step of its schedule and computes every block (counted in ``forced``), never an error."""
+    loaded = sdkiln.load(a14b.package, device="cpu")
+    runners = {attr: cache_runner(getattr(loaded, attr)) for attr in ("transformer", EXPERT)}
+    call = {
+        **loaded.sdkiln_manifest["call"]["defaults"],
+        "num_inference_steps": steps,
+        "output_type": "latent",
+    }
+    out = loaded(prompt="a boat on a lake", generator=torch.Generator().manual_seed(0), **call).frames
+    assert torch.as_tensor(out).isfinite().all()
+    assert all(r.transformer_calls > 0 for r in runners.values())
+    if steps in (5, 7):  # the expert's first call maps onto a reuse step of its schedule: run full
+        assert runners[EXPERT].forced == 2 and runners["transformer"].forced == 0  # both CFG branches
+
+
+def test_per_step_scales_on_an_expert_are_refused_in_one_line(tmp_path):
+    """W8A8_TIMESTEP calibrates every step of the run; an expert runs its window only: one line."""
+    from sdkiln.errors import RecipeError
+
+    with pytest.raises(
+        RecipeError, match="per-step schemes are not supported on a pipeline's experts"
+    ) as err:
+        sdkiln.optimize(NAME, "w8a8-timestep", tmp_path / "pkg", eval_samples=0, progress=False)
+    assert "\n" not in str(err.value) and not (tmp_path / "pkg").exists()

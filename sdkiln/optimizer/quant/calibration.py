@@ -38,6 +38,13 @@ def require_every_step(ctx: TransformContext, observers: dict[str, InputObserver
                 f"{ctx.num_inference_steps} steps or set the recipe's deployment num_inference_steps"
             )
         missing = (~obs.steps_seen()).nonzero().flatten().tolist()
+        if missing and ctx.spec.several_transformers:
+            ran = sorted(set(range(obs.num_steps)) - set(missing))
+            raise RecipeError(
+                f"W8A8_TIMESTEP calibrates every denoising step, and {ctx.spec.transformer_attr}, one of "
+                f"{ctx.spec.name}'s experts, runs steps {ran[0]}-{ran[-1]} of {obs.num_steps} only: per-step "
+                "schemes are not supported on a pipeline's experts yet (use w8a8-dynamic or w8a8)"
+            )
         if missing:
             raise StepError(
                 f"{layer}: the calibration loop never ran denoising step(s) {missing} of {obs.num_steps}; "

@@ -126,6 +126,9 @@ class CacheRunner:
         """Of those, the ones it ran full."""
         self.block_evaluations = 0
         self.transformer_calls = 0
+        self.forced = 0
+        """Calls the schedule had reuse (or extrapolate) that ran full (plain reuse): the first of a run
+        for this transformer (``begin_call``)."""
         self.owns_tracker = False
         """attach_cache attached the step tracker, so detach_cache removes it (unless a module needs it)."""
         self._handles: list[Any] = []
@@ -154,6 +157,7 @@ class CacheRunner:
     def reset_counters(self) -> None:
         self.block_evaluations = 0
         self.transformer_calls = 0
+        self.forced = 0
         self.guard_checks = self.guard_forced = 0
 
     # --- one transformer call: outside any compiled region ------------------------------------
@@ -165,20 +169,19 @@ class CacheRunner:
             self._run_guard = self._guard_for_run()
         state.step = step
         self._state, self._step, self._branch = state, step, branch
-        action = self._action = self._run_schedule.action(step, branch)
+        action = self._run_schedule.action(step, branch)
+        # This transformer's first call of a run computes every block, whatever the schedule says:
+        # nothing of the run is cached yet (a pipeline's second expert takes over mid-run, its first
+        # step mapped by sigma onto a reuse step of a schedule made for another step count); an
+        # extrapolation with one full step before it reuses without extrapolating. Counted in `forced`.
+        if action != FULL and not state.full_steps:
+            action, self.forced = FULL, self.forced + 1
+        elif action.extrapolate and len(state.full_steps) < 2:
+            action, self.forced = Action(action.kind, action.first, action.last, False), self.forced + 1
+        self._action = action
         if action == FULL:
             state.full_steps = [*state.full_steps[-1:], step]
-        elif not state.full_steps:
-            start, end = action.cached_span(self.num_blocks)
-            raise StepError(
-                f"cache schedule step {step} reuses blocks {start}..{end - 1}, but no full step of this run "
-                "recorded them (a run must start at step 0)"
-            )
         elif action.extrapolate:
-            if len(state.full_steps) < 2:
-                raise StepError(
-                    f"cache schedule step {step} extrapolates but only one full step ran before it"
-                )
             step0, step1 = state.full_steps
             self._weight = torch.tensor((step - step1) / (step1 - step0), dtype=torch.float64)
         self.transformer_calls += 1
