@@ -70,8 +70,10 @@ demo: setup
 	$(SDKILN) eval $(DEMO)/package --num-samples $(DEMO_SAMPLES) --grid $(DEMO)/original_vs_optimized.png
 
 # Tests run in TEST_JOBS processes (pytest-xdist, one torch thread each, a test file's tests in one
-# process so its module fixtures are built once); TEST_JOBS=0 runs them in this process.
-TEST_JOBS ?= $(shell nproc 2>/dev/null || echo 2)
+# process so its module fixtures are built once); TEST_JOBS=0 runs them in this process. The CPUs
+# are counted without OMP_NUM_THREADS, which GNU nproc obeys: CI sets it to 1 (one torch thread per
+# process), which made `nproc` say 1 and ran the whole suite in one process.
+TEST_JOBS ?= $(shell env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc 2>/dev/null || echo 2)
 test: setup-test dataset
 	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile
 
