@@ -87,7 +87,8 @@ def iter_hessians(
         for name, acc in accs.items():
             if acc.matrix is None:
                 raise ValueError(
-                    f"calibration saw no input for {name}: the forward loop must run the pipeline"
+                    f"calibration saw no input for {transformer_attr}.{name}: the forward loop must run the pipeline, "
+                    "and call that transformer (a pipeline's expert runs only the steps on its side of the boundary)"
                 )
             if not bool(torch.isfinite(acc.matrix).all()):
                 raise ValueError(f"{name} saw non-finite inputs during calibration")

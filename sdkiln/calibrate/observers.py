@@ -154,7 +154,10 @@ def collect_input_stats(
         forward_loop(pipeline)
     for name, obs in observers.items():
         if not obs.seen:
-            raise ValueError(f"calibration saw no input for {name}: the forward loop must run the pipeline")
+            raise ValueError(
+                f"calibration saw no input for {transformer_attr}.{name}: the forward loop must run the pipeline, "
+                "and call that transformer (a pipeline's expert runs only the steps on its side of the boundary)"
+            )
         if not bool(torch.isfinite(obs.channel_min).all() and torch.isfinite(obs.channel_max).all()):
             raise ValueError(f"{name} saw non-finite inputs during calibration")
     return observers

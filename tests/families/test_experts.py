@@ -217,3 +217,19 @@ def test_per_step_scales_on_an_expert_are_refused_in_one_line(tmp_path):
     ) as err:
         sdkiln.optimize(NAME, "w8a8-timestep", tmp_path / "pkg", eval_samples=0, progress=False)
     assert "\n" not in str(err.value) and not (tmp_path / "pkg").exists()
+
+
+def test_an_expert_that_runs_no_step_is_refused_in_one_line():
+    """An expert the deployment never calls (every step on the other side of the boundary: Wan2.2-T2V-A14B
+    at a few steps of its shift-12 schedule) has an empty profile: the cache search on it is one
+    RecipeError naming it. (The tiny build's last timestep is always below its boundary.)"""
+    from types import SimpleNamespace
+
+    from sdkiln.errors import RecipeError
+    from sdkiln.optimizer.cache.search import Search
+
+    search = SimpleNamespace(ctx=SimpleNamespace(spec=SimpleNamespace(transformer_attr=EXPERT)),
+                             traj=SimpleNamespace(num_steps=3))  # fmt: skip
+    with pytest.raises(RecipeError, match="transformer_2 computes none of the 3 steps") as err:
+        Search.own_steps(search, {"branches": {"call0": []}})
+    assert "\n" not in str(err.value)

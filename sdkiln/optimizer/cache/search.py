@@ -102,6 +102,11 @@ class Search:
         segments count steps from the window's first; ``schedule`` places them in the run, the run's
         other steps full (never this transformer's)."""
         steps = sorted({row["step"] for rows in prof["branches"].values() for row in rows})
+        if not steps:
+            raise RecipeError(
+                f"cache_auto: {self.ctx.spec.transformer_attr} computes none of the {self.traj.num_steps} "
+                "steps the recipe deploys at (the pipeline's other transformer runs them all): deploy at more steps"
+            )
         if steps != list(range(steps[0], steps[-1] + 1)):
             raise RecipeError(
                 f"cache_auto: the transformer computes steps {steps}, not one window of the run"
