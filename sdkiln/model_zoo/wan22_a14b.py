@@ -9,7 +9,8 @@ family sets both ``transformer_2`` and ``boundary_ratio`` in its model_index.jso
 
 Each expert is its own model (``ModelSpec.experts``): every recipe step runs on ``transformer``, then
 on ``transformer_2``, each seeing only the steps its pipeline calls it on, so calibration statistics,
-per-step scales and the cache schedule of an expert come from the steps it runs. The package holds both
+the quant-auto mix and the cache schedule of an expert come from the steps it runs (per-step scales,
+W8A8_TIMESTEP, need every step of the run and are refused on an expert). The package holds both
 (``transformer/`` and ``transformer_2/``, the second's sections under ``experts`` in the manifest:
 docs/package-format.md) and ``sdkiln.load`` restores both.
 
