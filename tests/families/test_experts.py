@@ -233,3 +233,28 @@ def test_an_expert_that_runs_no_step_is_refused_in_one_line():
     with pytest.raises(RecipeError, match="transformer_2 computes none of the 3 steps") as err:
         Search.own_steps(search, {"branches": {"call0": []}})
     assert "\n" not in str(err.value)
+
+
+def test_the_first_expert_frees_its_cache_buffers_when_its_window_ends(a14b):
+    """Past its window no step of the run reuses the high-noise expert's residuals: by the low-noise
+    expert's first call its cached tensors are freed (at real size, GBs held through half the run)."""
+    from sdkiln.runtime.cache.hooks import MODEL_HOOK
+
+    loaded = sdkiln.load(a14b.package, device="cpu")
+    hook = loaded.transformer._diffusers_hook.get_hook(MODEL_HOOK)
+    held = []
+
+    def states():
+        return [*hook.contexts._state_cache.values(), *hook.plain.values()]
+
+    def look(*_):
+        held.append((len(states()), sum(len(s.residuals) + len(s.span_inputs) for s in states())))
+
+    handle = loaded.transformer_2.register_forward_pre_hook(look)
+    call = {**loaded.sdkiln_manifest["call"]["defaults"], "output_type": "latent"}
+    try:
+        loaded(prompt="a boat on a lake", generator=torch.Generator().manual_seed(0), **call)
+    finally:
+        handle.remove()
+    states_seen, tensors = held[0]
+    assert states_seen > 0 and tensors == 0, held  # the branches' states are there, their tensors freed

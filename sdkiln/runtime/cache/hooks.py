@@ -132,6 +132,8 @@ class CacheRunner:
         self.owns_tracker = False
         """attach_cache attached the step tracker, so detach_cache removes it (unless a module needs it)."""
         self._handles: list[Any] = []
+        window = schedule.search.get("steps")  # the steps this transformer runs (an expert's window)
+        self._window_ends_early = isinstance(window, list) and window[-1:] != [schedule.num_steps - 1]
         self._action: Action = FULL
         self._state: BranchState | None = None
         self._step = 0
@@ -188,8 +190,19 @@ class CacheRunner:
         self.block_evaluations += action.block_evaluations(self.num_blocks)
 
     def end_call(self, num_steps: int) -> None:
-        if self._step == num_steps - 1 and self._state is not None:
-            self._state.reset()  # the run is over: free its buffers
+        state, step = self._state, self._step
+        if state is not None and step == num_steps - 1:
+            state.reset()  # the run is over: free its buffers
+        elif (
+            state is not None
+            and self._window_ends_early
+            and all(self._run_schedule.action(j, self._branch) == FULL for j in range(step + 1, num_steps))
+        ):
+            # a pipeline's expert whose window of the run ends before the run does (Wan2.2-A14B's
+            # high-noise one) past its last reuse: free the buffers the other expert's steps would
+            # hold, keep the run's step
+            state.reset()
+            state.step = step
         self._state = None
 
     def _schedule_for_run(self, num_steps: int) -> CacheSchedule:
