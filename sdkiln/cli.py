@@ -197,6 +197,7 @@ def cmd_eval(args) -> int:
     from sdkiln import kernels
     from sdkiln.model_zoo import DTYPES, get_spec, load_model
     from sdkiln.model_zoo.fingerprint import fingerprint
+    from sdkiln.model_zoo.spec import no_guidance_arg
     from sdkiln.optimizer.evaluate import measure, reference, save_side_by_side
     from sdkiln.runtime import load
     from sdkiln.runtime.package import open_package
@@ -205,6 +206,8 @@ def cmd_eval(args) -> int:
     target = kernels.resolve_device(args.device)  # a device this machine lacks fails before any load
     manifest = open_package(args.package, digest=args.digest).manifest  # the weights are not read
     info = manifest["model"]
+    if args.guidance is not None and manifest["call"]["guidance_arg"] is None:
+        no_guidance_arg(info["pipeline_class"])  # before the base model loads
     base, _, _ = load_model(args.base or info["base_id"], DTYPES.get(info.get("dtype", "")), target)
     # the package's family and variant decide, not what the base is detected as (a package made
     # before variants records the zoo name, "flux-tiny", and no variant: the zoo build)

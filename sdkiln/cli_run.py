@@ -150,6 +150,11 @@ def _generate(args, pipe, prompts: list[str], out_path: Path, parallel) -> int:
     if args.steps is not None:
         kwargs["num_inference_steps"] = args.steps
     if args.guidance is not None:
+        if call["guidance_arg"] is None:
+            raise SdkilnError(
+                f"--guidance: {pipe.sdkiln_manifest['model']['pipeline_class'].rpartition(':')[2]} takes no "
+                "guidance argument; its guidance is its guider component's guidance_scale, which the package keeps"
+            )
         kwargs[call["guidance_arg"]] = args.guidance
     if args.negative_prompt is not None:
         kwargs["negative_prompt"] = args.negative_prompt
@@ -160,7 +165,17 @@ def _generate(args, pipe, prompts: list[str], out_path: Path, parallel) -> int:
 
     with_area(kwargs)
     kwargs.update(_image_input(args.image, pipe.sdkiln_manifest["model"]))
-    if parallel is not None and parallel.cfg == 2 and not kwargs.get(call["guidance_arg"], 0) > 1:
+    guided = (
+        kwargs.get(call["guidance_arg"], 0) > 1
+        if call["guidance_arg"] is not None
+        else getattr(getattr(pipe, "guider", None), "num_conditions", 1) > 1  # a guider's branches
+    )
+    if parallel is not None and parallel.cfg == 2 and not guided and call["guidance_arg"] is None:
+        raise SdkilnError(
+            "--cfg-parallel runs the two guidance branches on two ranks; this package's guider runs one "
+            "(its guidance_scale is 1): drop --cfg-parallel"
+        )
+    if parallel is not None and parallel.cfg == 2 and not guided:
         raise SdkilnError(
             f"--cfg-parallel runs the two guidance branches on two ranks; this run's {call['guidance_arg']} is "
             f"{kwargs.get(call['guidance_arg'])!r}, which runs one: set --guidance above 1 or drop --cfg-parallel"

@@ -14,6 +14,7 @@ after the denoiser is calibrated. ``record()`` is what a package stores about it
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -24,6 +25,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from sdkiln.calibrate.steps import on_step_end
 from sdkiln.model_zoo import ModelSpec
 
 ForwardLoop = Callable[[Any], None]
@@ -85,7 +87,6 @@ class PromptLoop:
             last["latents"] = kwargs["latents"].detach()
             return kwargs
 
-        extra = {"callback_on_step_end": capture, "callback_on_step_end_tensor_inputs": ["latents"]}
         pipeline.set_progress_bar_config(disable=True)
         prompts, seeds = self.plan()
         finals = []
@@ -93,13 +94,8 @@ class PromptLoop:
             list(zip(prompts, seeds, strict=True)), desc="calibrate", unit="prompt", leave=False
         ):
             generator = torch.Generator("cpu").manual_seed(seed)
-            pipeline(
-                prompt=prompt,
-                generator=generator,
-                **call,
-                **self.spec.condition(call),
-                **(extra if capture_latents else {}),
-            )
+            with on_step_end(pipeline, capture) if capture_latents else contextlib.nullcontext({}) as extra:
+                pipeline(prompt=prompt, generator=generator, **call, **self.spec.condition(call), **extra)
             if capture_latents:
                 finals.append(last.pop("latents").float().cpu())
         return torch.cat(finals) if capture_latents else None

@@ -7,8 +7,8 @@ partial run (``run(schedule, start, stop)``) replays the steps before ``start`` 
 transformer that costs nothing (its output is discarded: the latents before ``start`` are replaced
 by the recorded ones in the pipeline's step callback; every transformer of the pipeline's, so a
 Wan2.2-A14B expert's run replays the other expert's steps too), runs steps ``start .. stop`` for real, and
-stops the pipeline after step ``stop``. Any pipeline with ``callback_on_step_end`` and
-``output_type="latent"`` works, including its classifier-free guidance, unchanged.
+stops the pipeline after step ``stop``. Any pipeline with ``output_type="latent"`` works (the step
+callback: ``calibrate.steps``), including its classifier-free guidance, unchanged.
 
 All samples of the plan run as one batch (one prompt and one generator per sample).
 """
@@ -21,6 +21,7 @@ import torch
 from diffusers.hooks import HookRegistry, ModelHook
 from diffusers.models.modeling_outputs import Transformer2DModelOutput
 
+from sdkiln.calibrate.steps import on_step_end
 from sdkiln.model_zoo import ModelSpec
 from sdkiln.runtime.cache import reset_cache
 from sdkiln.runtime.denoising import attach_step_tracker, detach_step_tracker, step_tracker
@@ -86,14 +87,14 @@ class Trajectories:
         if "negative_prompt" in call:
             call["negative_prompt"] = [call["negative_prompt"]] * len(self.prompts)
         try:
-            self.pipeline(
-                prompt=self.prompts,
-                generator=self._generators(),
-                callback_on_step_end=callback,
-                callback_on_step_end_tensor_inputs=["latents"],
-                **call,
-                **self.spec.condition(call),
-            )
+            with on_step_end(self.pipeline, callback) as extra:
+                self.pipeline(
+                    prompt=self.prompts,
+                    generator=self._generators(),
+                    **extra,
+                    **call,
+                    **self.spec.condition(call),
+                )
         except _Stop:
             pass
 

@@ -97,7 +97,11 @@ def _license(manifest: dict[str, Any], license: str | None) -> str:
 def _deployment(manifest: dict[str, Any]) -> str:
     call = manifest["call"]
     d = call["defaults"]
-    parts = [f"{d['num_inference_steps']} steps", f"{call['guidance_arg']} {d.get(call['guidance_arg'])}"]
+    guidance = call["guidance_arg"]
+    parts = [
+        f"{d['num_inference_steps']} steps",
+        f"{guidance} {d.get(guidance)}" if guidance else "guidance from the guider component",
+    ]
     if "height" in d and "width" in d:
         parts.append(f"{d['height']}x{d['width']}")
     if "num_frames" in d:

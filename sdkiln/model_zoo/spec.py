@@ -203,6 +203,14 @@ def _plain(value: Any) -> Any:
     return value
 
 
+def no_guidance_arg(pipeline_class: str) -> str:
+    """Raises: a guidance value given for a pipeline whose guidance is its guider component's."""
+    raise ModelError(
+        f"{pipeline_class.rpartition(':')[2]} takes no guidance argument: its guidance is the guidance_scale "
+        "of its guider component (guider/guider_config.json in the model directory), which the package keeps"
+    )
+
+
 @dataclass(frozen=True)
 class Variant:
     """One model of a family: a published one (FLUX.1-dev, Wan2.1-T2V-14B) or the zoo's own build.
@@ -221,7 +229,9 @@ class Variant:
     description: str
     match: dict[str, Any]
     call_defaults: dict[str, Any]
-    guidance_arg: str = "guidance_scale"
+    guidance_arg: str | None = "guidance_scale"
+    """None: the pipeline takes no guidance argument (HunyuanVideo-1.5's guidance is its ``guider``
+    component's ``guidance_scale``, saved with the package)."""
     sparse_block_size: int = 64
     size_multiple: int | None = None
     """Height and width multiple when not the family's (Wan2.2 TI2V-5B: its VAE's 16 times patch 2)."""
@@ -248,8 +258,9 @@ class ModelSpec:
     """What the recipe name ``default`` stands for on this family."""
     build: Callable[[], Any]
     """Returns the family's default pipeline (tiny random weights, or the shipped embedded model)."""
-    guidance_arg: str = "guidance_scale"
-    """The pipeline call argument that sets guidance (the resolved variant's)."""
+    guidance_arg: str | None = "guidance_scale"
+    """The pipeline call argument that sets guidance (the resolved variant's); None: the pipeline
+    takes its guidance from its ``guider`` component, and ``guidance`` is refused (``call_kwargs``)."""
     weight_only_layers: tuple[str, ...] = ()
     """fnmatch patterns of in-block layers whose inputs must stay float (adaLN modulation linears,
     whose outputs scale every activation of a block): a step that quantizes activations keeps them
@@ -307,6 +318,10 @@ class ModelSpec:
     refusals: dict[str, str] = field(default_factory=dict)
     """Capabilities (``CAPABILITIES``) this family refuses, each with its reason: asking for one is the
     one-line ``ModelError`` of ``refuse``, raised where the capability starts."""
+    compile_regional: str = ""
+    """Why the whole transformer does not compile as one graph, where it does not (HunyuanVideo-1.5's
+    forward branches on its data before the blocks): ``sdkiln.load`` then compiles the blocks regionally
+    (``CompileConfig.regional``), each block kind one graph, and logs that it did."""
     unsupported_layout: dict[str, str] = field(default_factory=dict)
     """model_index.json entries that, set, mean a layout sdkiln does not run yet, each with the reason."""
     experts: tuple[str, ...] = ()
@@ -429,6 +444,6 @@ class ModelSpec:
         if num_inference_steps is not None:
             kwargs["num_inference_steps"] = num_inference_steps
         if guidance is not None:
-            kwargs[self.guidance_arg] = guidance
+            kwargs[self.guidance_arg or no_guidance_arg(self.pipeline_class)] = guidance
         kwargs.update({k: v for k, v in overrides.items() if v is not None})
         return with_area(kwargs)

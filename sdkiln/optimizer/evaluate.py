@@ -1,7 +1,7 @@
 """The quality report: the original and the optimized pipeline on the same held-out prompts and seeds.
 
 Sample i uses prompt ``prompts[i % len(prompts)]`` and seed ``seed + i``. The final latents are
-captured through the pipeline's ``callback_on_step_end`` at the last step, so one call yields both
+captured after the last step (``calibrate.steps``), so one call yields both
 the decoded images and the latents. Samples go in batches sized to the deployment
 (``default_eval_batch``), decoded one at a time and, when large, in tiles (``bounded_decode``).
 ``reference`` (the original) and ``measure`` (the optimized model) run apart, so ``optimize`` makes
@@ -22,6 +22,7 @@ from PIL import Image
 from tqdm.auto import tqdm
 
 from sdkiln import metrics
+from sdkiln.calibrate.steps import on_step_end
 from sdkiln.model_zoo import ModelSpec
 from sdkiln.runtime.cache import cache_runner
 
@@ -45,7 +46,8 @@ def generate(
     inputs: dict[str, Any] | None = None,
 ) -> tuple[np.ndarray, torch.Tensor]:
     """Images (np, [N, ...] in [0, 1]) and final latents for ``prompts`` with one CPU generator per seed;
-    ``inputs``: pipeline inputs besides the call's (``ModelSpec.condition``: a conditioning image)."""
+    ``inputs``: pipeline inputs besides the call's (``ModelSpec.condition``: a conditioning image).
+    Each batch decodes through ``bounded_decode``."""
     images, latents = [], []
     captured: dict[str, torch.Tensor] = {}
 
@@ -60,14 +62,8 @@ def generate(
         gens = [torch.Generator("cpu").manual_seed(s) for s in seeds[start : start + batch_size]]
         if "negative_prompt" in kwargs:
             kwargs["negative_prompt"] = [call_kwargs["negative_prompt"]] * len(batch)
-        out = pipe(
-            prompt=batch,
-            generator=gens,
-            callback_on_step_end=capture,
-            callback_on_step_end_tensor_inputs=["latents"],
-            **kwargs,
-            **(inputs or {}),
-        )
+        with on_step_end(pipe, capture) as extra, bounded_decode(pipe, call_kwargs):
+            out = pipe(prompt=batch, generator=gens, **extra, **kwargs, **(inputs or {}))
         frames = out.frames if hasattr(out, "frames") else out.images
         images.append(np.asarray(frames, dtype=np.float32))
         latents.append(captured.pop("latents").float().cpu())
@@ -138,8 +134,7 @@ def reference(
     call = spec.call_kwargs() if call is None else call
     batch_size = batch_size or default_eval_batch(call)
     prompts, seeds = sample_plan(spec, num_samples, seed)
-    with bounded_decode(base, call):
-        images, latents = generate(base, call, prompts, seeds, batch_size, "original", spec.condition(call))
+    images, latents = generate(base, call, prompts, seeds, batch_size, "original", spec.condition(call))
     theirs = spec.metrics(images, prompts) if spec.metrics is not None else None
     return Reference(prompts, seeds, images, latents, call, seed, theirs)
 
@@ -154,10 +149,9 @@ def measure(
     runners = [r for a in spec.transformer_attrs if (r := cache_runner(getattr(optimized, a))) is not None]
     for runner in runners:
         runner.reset_counters()
-    with bounded_decode(optimized, call):
-        opt_imgs, opt_lat = generate(
-            optimized, call, ref.prompts, ref.seeds, batch_size, "optimized", spec.condition(call)
-        )
+    opt_imgs, opt_lat = generate(
+        optimized, call, ref.prompts, ref.seeds, batch_size, "optimized", spec.condition(call)
+    )
     base_imgs, prompts = ref.images, ref.prompts
     psnr = np.minimum(metrics.psnr(base_imgs, opt_imgs), PSNR_CAP_DB)
     report: dict[str, Any] = {
@@ -169,7 +163,9 @@ def measure(
         "latent_rel_l2": float(metrics.rel_l2(ref.latents, opt_lat).mean()),
         "num_samples": len(prompts),
         "steps": call.get("num_inference_steps"),
-        "guidance": call.get(spec.guidance_arg),
+        "guidance": (  # HunyuanVideo-1.5: its guider component's scale
+            call.get(spec.guidance_arg) if spec.guidance_arg else getattr(optimized.guider, "guidance_scale", None)
+        ),
         "seed": ref.seed,
         "prompts": sorted(set(prompts)),
         "psnr_per_sample": [round(float(p), 3) for p in psnr],

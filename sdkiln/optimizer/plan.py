@@ -73,7 +73,9 @@ def register_plan(*config_classes: type[RecipeStep]) -> Callable[[Plan], Plan]:
 def cfg_factor(spec, call: dict[str, Any]) -> int:
     """Transformer calls per denoising step at ``call``: two when the guidance runs the
     unconditional branch as its own call (``spec.cfg_calls``: the guidance argument above 1 and
-    every further argument set), else one."""
+    every further argument set; a guider component's classifier-free guidance, counted as on), else one."""
+    if spec.guidance_arg is None:  # a guider component: two calls per step unless its scale is 1
+        return 2
     names = spec.cfg_calls
     if names:
         scale = call.get(names[0])

@@ -368,6 +368,14 @@ def _scheduler(pkg: Package, name: str, cls: type) -> Any:
         return cls.from_config(config)
 
 
+def _guider(pkg: Package, name: str, cls: type) -> Any:
+    """A guider (diffusers' classifier-free guidance and kin): settings only, like a scheduler."""
+    rel = f"{name}/guider_config.json"
+    config = check_config_types(cls, expect_dict(pkg.read_json(rel), rel), rel)
+    with third_party(rel, f"building {cls.__name__}"):
+        return cls.from_config(config)
+
+
 def _tokenizer(pkg: Package, name: str, cls: type) -> Any:
     """Tokenizers read their files by path: the verified bytes are written to a private directory
     for them, so they read exactly what was verified."""
@@ -410,6 +418,7 @@ def load_component(
     pipeline's annotation for it, is checked before anything is built: a model must be of the
     declared class (a transformer posing as a VAE is refused before its constructor runs)."""
     from diffusers import ModelMixin, SchedulerMixin
+    from diffusers.guiders.guider_utils import BaseGuidance
     from transformers import ImageProcessingMixin, PreTrainedModel, PreTrainedTokenizerBase
 
     if library not in LIBRARIES:
@@ -434,6 +443,8 @@ def load_component(
         return _model(pkg, name, cls, library, device)
     if issubclass(cls, SchedulerMixin):
         return _scheduler(pkg, name, cls)
+    if issubclass(cls, BaseGuidance):
+        return _guider(pkg, name, cls)
     if issubclass(cls, PreTrainedTokenizerBase):
         return _tokenizer(pkg, name, cls)
     if issubclass(cls, ImageProcessingMixin):

@@ -28,7 +28,9 @@ Each phase's seconds, and the first transformer call's, are ``pipe.sdkiln_cold_s
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
+import logging
 import os
 import time
 from typing import Any
@@ -54,6 +56,8 @@ from sdkiln.runtime.cpu_dtype import widen_slow_dtypes
 from sdkiln.runtime.manifest_schema import expect_dict
 from sdkiln.runtime.package import Package, open_package
 from sdkiln.runtime.sparse import restore as sparse_restore
+
+log = logging.getLogger("sdkiln.load")
 
 
 def build_transformer(pkg: Package, info: dict | None = None) -> nn.Module:
@@ -134,7 +138,7 @@ def _assemble(pkg: Package, transformers: dict[str, nn.Module], device: torch.de
     call = pkg.manifest["call"]
     takes = inspect.signature(pipeline_cls.__call__).parameters
     for key in [call["guidance_arg"], *call["defaults"]]:
-        if key not in takes:
+        if key is not None and key not in takes:
             raise PackageError(f"manifest.json: call: {pipeline_cls.__name__} takes no argument {key!r}")
     pipe = assemble(pkg, pipeline_cls, transformers, device)
     pipe.set_progress_bar_config(disable=True)
@@ -203,7 +207,11 @@ def _compile(ctx: restore.RestoreContext, compile: CompileConfig | None, device:
         from sdkiln.runtime.compile import compile_transformer, use_compile_cache
 
         info = ctx.package.manifest["model"]
-        lists = tuple(bl.attr for bl in get_spec(info["family"], info.get("variant")).block_lists)
+        spec = get_spec(info["family"], info.get("variant"))
+        lists = tuple(bl.attr for bl in spec.block_lists)
+        if spec.compile_regional and not compile.regional:
+            log.warning("compiling %s's blocks regionally: %s", spec.family, spec.compile_regional)
+            compile = dataclasses.replace(compile, regional=True)
         ctx.pipeline.sdkiln_compile_cache = use_compile_cache(compile, ctx.package.digest, device)
         for attr, transformer in {ctx.transformer_attr: ctx.transformer, **ctx.transformers}.items():
             setattr(ctx.pipeline, attr, compile_transformer(transformer, compile, lists))

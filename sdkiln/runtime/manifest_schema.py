@@ -98,7 +98,7 @@ def short(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def check_call_defaults(defaults: Any, guidance_arg: str, where: str) -> dict[str, Any]:
+def check_call_defaults(defaults: Any, guidance_arg: str | None, where: str) -> dict[str, Any]:
     """Known pipeline arguments within bounds, each alone and together: the pixels of one call
     (height x width x frames x images) are bounded too."""
     expect_dict(defaults, where)
@@ -118,7 +118,7 @@ def check_call_defaults(defaults: Any, guidance_arg: str, where: str) -> dict[st
             raise fail(
                 at,
                 f"is not a pipeline argument a package may set (allowed: {sorted(CALL_BOUNDS)}, "
-                f"{guidance_arg}, output_type, negative_prompt)",
+                f"{guidance_arg or 'guidance'}, output_type, negative_prompt)",
             )
     pixels = 1
     for key in ("height", "width", "num_frames", "num_images_per_prompt"):
@@ -179,7 +179,9 @@ def check_manifest(m: Any) -> None:
         raise fail(f"{at}.{unknown[0]}", "is not a model field of schema version 1")
 
     call = expect_dict(m["call"], f"{where}: call", ("guidance_arg", "defaults"))
-    guidance_arg = expect_str(call["guidance_arg"], f"{where}: call.guidance_arg", GUIDANCE_ARG, 64)
+    guidance_arg = call["guidance_arg"]  # null: the pipeline's guider component holds the guidance
+    if guidance_arg is not None:
+        expect_str(guidance_arg, f"{where}: call.guidance_arg", GUIDANCE_ARG, 64)
     check_call_defaults(call["defaults"], guidance_arg, f"{where}: call.defaults")
 
     recipe = expect_dict(m["recipe"], f"{where}: recipe", ("name", "version", "steps"))

@@ -35,7 +35,7 @@ from sdkiln.errors import ModelError
 from sdkiln.model_zoo import get_spec, spec_names
 from sdkiln.model_zoo.spec import CAPABILITIES
 from sdkiln.runtime.cache import cache_runner
-from sdkiln.runtime.compile import compile_transformer
+from sdkiln.runtime.compile import compile_transformer, repeated_blocks
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "export"))
@@ -64,6 +64,8 @@ EXPECTED_PATTERNS = {
     "hunyuan-video-tiny": {"rms_norm", "adaln", "rope", "gelu_tanh", "gate_add"},
     # FLUX.2's modulation is shared and applied as (1 + scale) * LN(x) + shift outside the adaln pattern
     "flux2-tiny": {"rms_norm", "rope", "gate_add"},
+    # compiled block by block (compile_regional): the patterns of its one dual-stream block graph
+    "hunyuan-video-1.5-tiny": {"rms_norm", "adaln", "rope", "gelu_tanh", "gate_add"},
 }
 
 
@@ -181,9 +183,11 @@ Wan2.2-A14B's experts (text- and image-to-video) are wan-tiny's transformer clas
 
 @pytest.mark.parametrize("name", families(where=having("compile"), slow=COMPILE_SLOW))
 def test_compile(name):
-    """The float transformer compiled whole with sdkiln's backend: no graph break, the family's fused
-    patterns in every block, the output equal to eager. Inductor's cache is off: a graph served from it
-    skips the passes and would log no matches."""
+    """The float transformer compiled with sdkiln's backend: no graph break, the family's fused patterns
+    in every block, the output equal to eager. Whole, or, for a family whose forward does not trace in
+    one graph (``compile_regional``), block by block as ``sdkiln.load`` compiles it: every block runs the
+    one block graph. Inductor's cache is off: a graph served from it skips the passes and would log no
+    matches."""
     assert name in EXPECTED_PATTERNS, f"{name}: add its fused patterns to EXPECTED_PATTERNS"
     spec = get_spec(name)
     pipe = spec.build()
@@ -192,14 +196,27 @@ def test_compile(name):
     transformer = getattr(pipe, spec.transformer_attr).eval()
     torch._dynamo.reset()
     counters.clear()
+    config = CompileConfig(regional=bool(spec.compile_regional))
+    lists = tuple(bl.attr for bl in spec.block_lists)
     with torch.no_grad(), torch._inductor.config.patch(force_disable_caches=True):
         eager = transformer(*args, **kwargs)[0]
-        compiled = compile_transformer(transformer, CompileConfig())(*args, **kwargs)[0]
+        compiled = compile_transformer(transformer, config, lists)(*args, **kwargs)[0]
     assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
-    blocks = per_block(transformer._sdkiln_backend, spec)
-    assert len(blocks) == sum(len(getattr(transformer, bl.attr)) for bl in spec.block_lists), sorted(blocks)
-    for block, matched in blocks.items():
-        assert EXPECTED_PATTERNS[name] <= matched, (block, matched)
+    backend = transformer._sdkiln_backend
+    if config.regional:
+        blocks = repeated_blocks(transformer, lists)  # diffusers' _repeated_blocks, else the block lists
+        assert {b for attr in lists for b in getattr(transformer, attr)} <= set(blocks)
+        assert all(block._compiled_call_impl is not None for block in blocks)
+        assert backend.graphs == len({type(b) for b in blocks}), backend.graphs  # one graph per block kind
+        assert counters["frames"]["total"] == counters["frames"]["ok"], dict(counters["frames"])
+        assert EXPECTED_PATTERNS[name] <= {m.pattern for m in backend.matches}
+    else:
+        matched = per_block(backend, spec)
+        assert len(matched) == sum(len(getattr(transformer, bl.attr)) for bl in spec.block_lists), sorted(
+            matched
+        )
+        for block, patterns in matched.items():
+            assert EXPECTED_PATTERNS[name] <= patterns, (block, patterns)
     assert float((compiled - eager).abs().max()) <= FLOAT_VS_EAGER_MAX_ABS
 
 
@@ -235,7 +252,9 @@ def _parallel_cases(name: str, packages) -> list:
         guided = (
             {spec.cfg_calls[0]: 2.0, **{arg: "" for arg in spec.cfg_calls[1:]}} if spec.cfg_calls else None
         )
-        cases.append((package, ParallelConfig(cfg=2), guided, EXACT if spec.cfg_calls else CLOSE_DB))
+        # (a guider component, guidance_arg None, calls once per branch at its saved scale: 6.0)
+        per_branch = bool(spec.cfg_calls) or spec.guidance_arg is None
+        cases.append((package, ParallelConfig(cfg=2), guided, EXACT if per_branch else CLOSE_DB))
     if "ulysses" not in spec.refusals:
         cases.append((package, ParallelConfig(ulysses=2), None, EXACT))
     return cases

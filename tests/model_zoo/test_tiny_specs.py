@@ -17,6 +17,7 @@ import pytest
 import torch
 from torch import nn
 
+from sdkiln.calibrate.steps import has_step_callback, on_step_end
 from sdkiln.model_zoo import get_spec, spec_names
 
 NAMES = [name for name in spec_names() if name != "fmnist-flux"]  # tests/model_zoo/test_fmnist.py
@@ -68,7 +69,10 @@ def test_build_is_deterministic_and_leaves_global_rng_alone(spec):
 def test_pipeline_class_matches_spec(spec, pipe):
     module, cls = spec.pipeline_class.split(":")
     assert type(pipe) is getattr(importlib.import_module(module), cls)
-    assert spec.guidance_arg in inspect.signature(type(pipe).__call__).parameters
+    if spec.guidance_arg is None:  # the guidance is the guider component's
+        assert type(pipe.guider).__name__ == "ClassifierFreeGuidance" and pipe.guider.guidance_scale > 1
+    else:
+        assert spec.guidance_arg in inspect.signature(type(pipe).__call__).parameters
 
 
 def test_generation_shape_finite_and_seeded(spec, pipe):
@@ -159,19 +163,17 @@ def test_blocks_return_declared_outputs_in_order(spec, pipe):
 
 
 def test_callback_captures_final_latents(spec, pipe):
+    """The latents after every step reach the step callback (``calibrate.steps``: diffusers'
+    ``callback_on_step_end``, or the scheduler's step where the pipeline has none)."""
     captured = {}
 
-    def on_step_end(pipeline, step, timestep, callback_kwargs):
+    def capture(pipeline, step, timestep, callback_kwargs):
         captured[step] = callback_kwargs[LATENTS].clone()
         return callback_kwargs
 
-    latents = _generate(
-        pipe,
-        spec,
-        output_type="latent",
-        callback_on_step_end=on_step_end,
-        callback_on_step_end_tensor_inputs=[LATENTS],
-    )
+    with on_step_end(pipe, capture) as extra:
+        latents = _generate(pipe, spec, output_type="latent", **extra)
+    assert bool(extra) == has_step_callback(pipe)
     steps = spec.call_kwargs()["num_inference_steps"]
     assert sorted(captured) == list(range(steps))
     assert torch.equal(captured[steps - 1], latents)

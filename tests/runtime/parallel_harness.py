@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 import sdkiln
+from sdkiln.calibrate.steps import on_step_end
 from sdkiln.configs import ParallelConfig
 from sdkiln.errors import ParallelError
 from sdkiln.metrics import sqnr_db
@@ -52,9 +53,8 @@ def generate(
             os._exit(17)  # a rank that dies mid-run, without a word to the others
         return tensors
 
-    out = pipe(
-        prompt=PROMPT, generator=torch.Generator("cpu").manual_seed(SEED), callback_on_step_end=die, **kwargs
-    )
+    with on_step_end(pipe, die) as extra:  # HunyuanVideo-1.5's pipeline has no callback_on_step_end
+        out = pipe(prompt=PROMPT, generator=torch.Generator("cpu").manual_seed(SEED), **extra, **kwargs)
     latents = out.images if hasattr(out, "images") else out.frames
     runner = cache_runner(pipe.transformer)
     guard = None if runner is None or runner.guard is None else (runner.guard_checks, runner.guard_forced)

@@ -2,7 +2,8 @@
 
 The outermost hook on the transformer (``ParallelHook``) sees each call the pipeline makes.
 diffusers' pipelines call the transformer once per branch, inside ``cache_context("cond")`` and
-``cache_context("uncond")``, and combine the two outputs only after both calls: cfg rank 0
+``cache_context("uncond")`` (``"pred_cond"`` and ``"pred_uncond"`` where a guider component runs
+the branches: HunyuanVideo-1.5), and combine the two outputs only after both calls: cfg rank 0
 computes the ``cond`` call, cfg rank 1 the ``uncond`` call, and at the ``uncond`` call the two
 outputs are exchanged with one all-gather. Rank 1's ``cond`` call returns at once with a
 placeholder (an empty tensor until filled) that the exchange fills in place before the pipeline reads it;
@@ -30,6 +31,9 @@ from sdkiln.errors import ParallelError, SdkilnError
 from sdkiln.runtime.parallel.mesh import Mesh, all_gather
 
 HOOK = "sdkiln_parallel"
+COND = ("cond", "pred_cond")
+"""The cache contexts of the conditional branch: diffusers' pipelines, and its guiders (HunyuanVideo-1.5)."""
+UNCOND = ("uncond", "pred_uncond")
 
 
 class _Context(BaseState):
@@ -96,7 +100,7 @@ class ParallelHook(ModelHook):
         self.call_group = mesh.sequence_group  # a branch's call runs on its sequence ranks
         if mesh.config.cfg == 1:
             return forward(*args, **kwargs)
-        if name == "cond":
+        if name in COND:
             if self._pending is not None or self._cond is not None:
                 raise ParallelError(
                     "CFG parallel: a 'cond' call came without the 'uncond' call of the step before it; "
@@ -112,7 +116,7 @@ class ParallelHook(ModelHook):
                 if kwargs.get("return_dict", True) is False
                 else Transformer2DModelOutput(sample=self._pending)
             )
-        if name == "uncond":
+        if name in UNCOND:
             if mesh.cfg_rank == 1:
                 if self._pending is None:
                     raise ParallelError("CFG parallel: an 'uncond' call without the 'cond' call before it")
