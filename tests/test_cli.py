@@ -166,3 +166,26 @@ def test_optimize_from_a_local_diffusers_directory(tmp_path, capsys):
     assert manifest["model"]["base_id"] == str((tmp_path / "base").resolve())
     assert (manifest["model"]["family"], manifest["model"]["variant"]) == ("flux", "tiny")
     assert main(["eval", str(out), "--num-samples", "1", "--json"]) == 0
+
+
+def test_a_guider_family_runs_and_refuses_guidance_in_one_line(tmp_path, capsys):
+    """HunyuanVideo-1.5 takes its guidance from its guider component: the package keeps it, the report
+    records its scale, and --guidance is one line on optimize, run and eval."""
+    pkg = tmp_path / "hv15"
+    assert main(["optimize", "hunyuan-video-1.5-tiny", "--recipe", "w8a8-dynamic", "--out", str(pkg), "--eval-samples", "1"]) == 0  # fmt: skip
+    assert json.loads((pkg / "manifest.json").read_text())["call"]["guidance_arg"] is None
+    assert json.loads((pkg / "guider" / "guider_config.json").read_text())["guidance_scale"] == 6.0
+    assert "guidance 6.0" in capsys.readouterr().out
+    png = tmp_path / "out.png"
+    assert (
+        main(["run", str(pkg), "--prompt", "a red cube", "--out", str(png)]) == 0 and png.stat().st_size > 0
+    )
+    for args in (
+        ["optimize", "hunyuan-video-1.5-tiny", "--guidance", "4", "--out", str(tmp_path / "x")],
+        ["run", str(pkg), "--prompt", "a", "--guidance", "4", "--out", str(tmp_path / "y.png")],
+        ["eval", str(pkg), "--guidance", "4"],
+    ):
+        code, _, err = run_cli(*args)
+        assert code == 2 and "takes no guidance argument" in err, (args, err)
+        assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y.png").exists()

@@ -164,7 +164,9 @@ def measure(
         "num_samples": len(prompts),
         "steps": call.get("num_inference_steps"),
         "guidance": (  # HunyuanVideo-1.5: its guider component's scale
-            call.get(spec.guidance_arg) if spec.guidance_arg else getattr(optimized.guider, "guidance_scale", None)
+            call.get(spec.guidance_arg)
+            if spec.guidance_arg
+            else getattr(optimized.guider, "guidance_scale", None)
         ),
         "seed": ref.seed,
         "prompts": sorted(set(prompts)),

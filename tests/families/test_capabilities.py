@@ -220,6 +220,20 @@ def test_compile(name):
     assert float((compiled - eager).abs().max()) <= FLOAT_VS_EAGER_MAX_ABS
 
 
+@pytest.mark.parametrize("name", families(where=lambda spec: bool(spec.compile_regional)))
+def test_load_compiles_a_regional_family_by_block_and_says_so(name, packages, caplog):
+    """``sdkiln.load(compile=...)`` on a family whose forward does not trace whole compiles its blocks
+    (each block's own compiled call) and logs why, rather than breaking the graph silently."""
+    spec = get_spec(name)
+    with caplog.at_level("WARNING", logger="sdkiln.load"):
+        pipe = sdkiln.load(packages(name).package, device="cpu", compile=CompileConfig(backend="eager"))
+    assert f"compiling {spec.family}'s blocks regionally" in caplog.text
+    transformer = getattr(pipe, spec.transformer_attr)
+    blocks = repeated_blocks(transformer, tuple(bl.attr for bl in spec.block_lists))
+    assert blocks and all(block._compiled_call_impl is not None for block in blocks)
+    assert not isinstance(transformer, torch._dynamo.eval_frame.OptimizedModule)
+
+
 @pytest.mark.parametrize("name", families(where=having("ascend")))
 def test_ascend(name, packages, tmp_path):
     """The W8A8-dynamic package exports to MindIE SD's files, every quantized layer under its rules."""
