@@ -290,7 +290,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--guidance",
         type=GUIDANCE,
         default=None,
-        help="guidance scale the package is made for (like --steps)",
+        help="guidance scale the package is made for (like --steps); the variant's guidance argument "
+        "(Wan2.2-A14B: the high-noise expert's, guidance_scale_2 keeps the published value; "
+        "HunyuanVideo-1.5: refused, its guider component holds it)",
     )
     o.add_argument(
         "--height", type=SIZE, default=None, help="image height the package is made for (like --steps)"
@@ -348,7 +350,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--prompt", required=True, action="append", help="repeat for several images")
     r.add_argument("--negative-prompt", default=None)
     r.add_argument("--steps", type=STEPS, default=None)
-    r.add_argument("--guidance", type=GUIDANCE, default=None)
+    r.add_argument(
+        "--guidance", type=GUIDANCE, default=None, help="default: the package's (as optimize --guidance)"
+    )
     r.add_argument("--seed", type=SEED, default=0, help="seed of the first image; image i uses seed + i")
     r.add_argument(
         "--image",
