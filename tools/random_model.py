@@ -12,16 +12,18 @@ loaders, never for judging quality. A ``sdkiln_random_model.json`` at its root s
 was made.
 
 Variants (``VARIANTS``): flux-dev, flux-schnell, flux.1-kontext-dev, flux2-dev, qwen-image,
-hunyuan-video, sd3.5-large, sd3.5-medium, wan2.1-t2v-14b, wan2.1-t2v-1.3b, wan2.1-i2v-14b-480p,
-wan2.2-ti2v-5b, wan2.2-t2v-a14b and wan2.2-i2v-a14b (two experts each). ``sdkiln.model_zoo.detect``
-resolves each directory to its family and variant.
+hunyuan-video, hunyuan-video-1.5-480p, hunyuan-video-1.5-720p, sd3.5-large, sd3.5-medium,
+wan2.1-t2v-14b, wan2.1-t2v-1.3b, wan2.1-i2v-14b-480p, wan2.2-ti2v-5b, wan2.2-t2v-a14b and
+wan2.2-i2v-a14b (two experts each). ``sdkiln.model_zoo.detect`` resolves each directory to its family
+and variant.
 
 ``--depth N`` keeps the width and cuts the depth: N transformer blocks (two-stream models -- FLUX.1,
 FLUX.2, HunyuanVideo -- N double-stream blocks and as many single-stream blocks per double one as the
 original: 2N, 6N, 2N; SD3.5: N joint blocks, dual-attention blocks among the first N only; Qwen-Image,
-Wan: N blocks), min(N, real) layers in every text encoder and vision tower, and never fewer than a
-pipeline reads an inner hidden state of (``Variant.min_layers``: FLUX.2's Mistral keeps 30 of its 40
-layers, HunyuanVideo's LLaMA 3, Wan I2V's CLIP vision tower 2, whatever N). The written configs are the
+HunyuanVideo-1.5 (its 2 token-refiner blocks kept), Wan: N blocks), min(N, real) layers in every text
+encoder and vision tower, and never fewer than a pipeline reads an inner hidden state of
+(``Variant.min_layers``: FLUX.2's Mistral keeps 30 of its 40 layers, HunyuanVideo's LLaMA and
+HunyuanVideo-1.5's Qwen 3, Wan I2V's CLIP vision tower 2, whatever N). The written configs are the
 cut ones, so ``DiffusionPipeline.from_pretrained`` loads the directory as it is. ``--dtype`` stores
 every component in one dtype instead of the dtype its original ships in (``Weights.dtype`` in
 ``VARIANTS``).
@@ -34,7 +36,8 @@ bf16). The directory is written under a temporary name beside ``--out`` and rena
 tokenizers (``random_tokenizers.py``) are built in memory with the real vocabulary sizes and
 special-token ids, in the spirit of ``sdkiln/model_zoo/tiny_text.py``; FLUX.2's is written as the
 ``PixtralProcessor`` folder its model_index.json names, which loads where torchvision is installed.
-Components stored as plain published files (Wan I2V's ``image_processor``) are copied as they are.
+Components stored as plain published files (Wan I2V's ``image_processor``, HunyuanVideo-1.5's
+``guider``) are copied as they are.
 
 Bench scripts can import it: ``sys.path.insert(0, "tools")``, then ``random_model.build(variant, out,
 depth=2)``.
@@ -58,7 +61,15 @@ import torch
 from accelerate import init_empty_weights
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's sdkiln, for the tokenizers
-from random_tokenizers import ClipBpe, Llama3Bpe, Qwen2Bpe, T5Unigram, TekkenBpe  # noqa: E402
+from random_tokenizers import (  # noqa: E402
+    ByT5Glyph,
+    ClipBpe,
+    Llama3Bpe,
+    Qwen2Bpe,
+    Qwen2ChatBpe,
+    T5Unigram,
+    TekkenBpe,
+)
 
 TOOL_VERSION = 1
 CONFIGS = Path(__file__).resolve().parent / "model_configs"
@@ -84,7 +95,7 @@ class Variant:
     """the Hugging Face repository whose configs ``tools/model_configs/<variant>/`` holds"""
     weights: dict[str, Weights]
     """per model component (the folders with a config.json)"""
-    tokenizers: dict[str, ClipBpe | T5Unigram | Qwen2Bpe | Llama3Bpe | TekkenBpe]
+    tokenizers: dict[str, ClipBpe | T5Unigram | Qwen2Bpe | Llama3Bpe | TekkenBpe | ByT5Glyph]
     min_layers: dict[str, int] = field(default_factory=dict)
     """per text or image encoder that the pipeline reads an inner hidden state of: the fewest layers
     ``--depth`` leaves it, so that the state the pipeline reads is still a layer's output"""
@@ -105,6 +116,17 @@ _SD3_TOKENIZERS = {
     "tokenizer_3": T5Unigram(32000, 100),
 }
 _WAN_TEXT = {"text_encoder": Weights(_FP32, 5)}
+# The converter saves the pipeline with each library's default shard size (diffusers 10 GB: the 16.7 GB
+# transformer in 2 files; transformers 4.x 5 GB: Qwen2.5-7B's 14.1 GB language model in 3), the ByT5
+# encoder as google/byt5-small loads (fp32) and the VAE in the dtype of the original checkpoint, assumed
+# fp32 as HunyuanVideo's; none of it checked against the repositories (SOURCE.md).
+_HV15_WEIGHTS = {
+    "transformer": Weights(_BF16, 2),
+    "text_encoder": Weights(_BF16, 3),
+    "text_encoder_2": Weights(_FP32),
+    "vae": Weights(_FP32),
+}
+_HV15_TOKENIZERS = {"tokenizer": Qwen2ChatBpe(), "tokenizer_2": ByT5Glyph()}
 _WAN_TOKENIZERS = {"tokenizer": T5Unigram(256000, 300)}
 
 VARIANTS: dict[str, Variant] = {
@@ -141,6 +163,20 @@ VARIANTS: dict[str, Variant] = {
             "vae": Weights(_FP32),
         },
         {"tokenizer": Llama3Bpe(), "tokenizer_2": ClipBpe()},
+        min_layers={"text_encoder": 3},
+    ),
+    # HunyuanVideo15Pipeline reads Qwen's hidden_states[-3] (num_hidden_layers_to_skip 2); the guider
+    # (guider_config.json alone) is copied.
+    "hunyuan-video-1.5-480p": Variant(
+        "hunyuanvideo-community/HunyuanVideo-1.5-480p_t2v",
+        _HV15_WEIGHTS,
+        _HV15_TOKENIZERS,
+        min_layers={"text_encoder": 3},
+    ),
+    "hunyuan-video-1.5-720p": Variant(
+        "hunyuanvideo-community/HunyuanVideo-1.5-720p_t2v",
+        _HV15_WEIGHTS,
+        _HV15_TOKENIZERS,
         min_layers={"text_encoder": 3},
     ),
     "sd3.5-large": Variant(
@@ -253,6 +289,7 @@ DEPTH_CUTS = {
     "FluxTransformer2DModel": _cut_two_streams,
     "Flux2Transformer2DModel": _cut_two_streams,
     "HunyuanVideoTransformer3DModel": _cut_two_streams,
+    "HunyuanVideo15Transformer3DModel": _cut_key("num_layers"),
     "SD3Transformer2DModel": _cut_sd3,
     "QwenImageTransformer2DModel": _cut_key("num_layers"),
     "WanTransformer3DModel": _cut_key("num_layers"),
@@ -260,6 +297,7 @@ DEPTH_CUTS = {
     "CLIPTextModelWithProjection": _cut_key("num_hidden_layers"),
     "CLIPVisionModelWithProjection": _cut_key("num_hidden_layers"),
     "LlamaModel": _cut_key("num_hidden_layers"),
+    "Qwen2_5_VLTextModel": _cut_key("num_hidden_layers"),
     "T5EncoderModel": _cut_key("num_layers"),
     "UMT5EncoderModel": _cut_key("num_layers"),
     "Qwen2_5_VLForConditionalGeneration": _cut_qwen2_5_vl,
@@ -293,8 +331,8 @@ def components(variant: str) -> dict[str, tuple[str, str]]:
 
 
 def copied(variant: str) -> list[str]:
-    """Components stored as their published files and copied as they are (Wan I2V's image processor):
-    neither weights, tokenizers nor the scheduler."""
+    """Components stored as their published files and copied as they are (Wan I2V's image processor,
+    HunyuanVideo-1.5's guider): neither weights, tokenizers nor the scheduler."""
     spec = variant_spec(variant)
     return [
         name
@@ -393,7 +431,7 @@ def _size(path: Path) -> int:
 def _report(name: str, what: str, amount: str, path: Path, start: float) -> int:
     nbytes = _size(path)
     print(
-        f"{name:<15} {what:<28} {amount:>18} {nbytes / 2**30:9.3f} GiB {time.perf_counter() - start:7.1f} s",
+        f"{name:<15} {what:<32} {amount:>18} {nbytes / 2**30:9.3f} GiB {time.perf_counter() - start:7.1f} s",
         flush=True,
     )
     return nbytes

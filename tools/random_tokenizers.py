@@ -3,9 +3,9 @@
 Each is built in memory in a few seconds from synthetic merges, in the spirit of
 ``sdkiln/model_zoo/tiny_text.py``: the ids a text encoder's embedding sees are in the real range, the
 special tokens sit at their real ids, and where a pipeline cuts a fixed number of tokens off its prompt
-template (Qwen-Image 34, HunyuanVideo 95) the template's fixed part is that many tokens here too, so
-the cut lands where it does with the real tokenizer. Other text mostly splits into pieces of one to
-three characters, more tokens per word than the real vocabularies give.
+template (Qwen-Image 34, HunyuanVideo 95, HunyuanVideo-1.5 108) the template's fixed part is that many
+tokens here too, so the cut lands where it does with the real tokenizer. Other text mostly splits into
+pieces of one to three characters, more tokens per word than the real vocabularies give.
 
 A byte-level BPE's merges here: first those that spell the words of the pipeline's template (so
 that they are one token each), then filler pairs of letters, digits and the space symbol, and each
@@ -23,7 +23,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import CLIPTokenizer, LlamaTokenizerFast, Qwen2Tokenizer, T5Tokenizer, TokenizersBackend
+from transformers import (
+    ByT5Tokenizer,
+    CLIPTokenizer,
+    LlamaTokenizerFast,
+    Qwen2Tokenizer,
+    T5Tokenizer,
+    TokenizersBackend,
+)
 
 _BYTES = sorted(pre_tokenizers.ByteLevel.alphabet())
 """The 256 symbols of a byte-level BPE, in the order of CLIP's vocabulary ("!" = 0)."""
@@ -95,16 +102,38 @@ class T5Unigram:
         tokenizer.save_pretrained(path)
 
 
-def _spell(vocab: dict[str, int], words: Iterable[str]) -> list[tuple[str, str]]:
-    """The merges that join each word letter by letter, (w[:1], w[1]), (w[:2], w[2]), ..., their
-    pieces added to ``vocab`` in place."""
-    merges = []
+def _spell(vocab: dict[str, int], words: Iterable[str], ignore_merges: bool = True) -> list[tuple[str, str]]:
+    """The merges that make each word one token, their pieces added to ``vocab`` in place. For a BPE
+    that looks a word up whole before merging (``ignore_merges``), the word letter by letter:
+    (w[:1], w[1]), (w[:2], w[2]), ... Without that, while the merges so far split the word, the merge
+    of its first two pieces: the same for most words, doubling for a run of one symbol (the BPE joins
+    every pair of spaces in a run of eight before anything else: (Ġ, Ġ), (ĠĠ, ĠĠ), (ĠĠĠĠ, ĠĠĠĠ))."""
+    if ignore_merges:
+        merges = []
+        for word in words:
+            for i in range(1, len(word)):
+                if word[: i + 1] not in vocab:
+                    merges.append((word[:i], word[i]))
+                    vocab[word[: i + 1]] = len(vocab)
+        return merges
+    ranks: dict[tuple[str, str], int] = {}
     for word in words:
-        for i in range(1, len(word)):
-            if word[: i + 1] not in vocab:
-                merges.append((word[:i], word[i]))
-                vocab[word[: i + 1]] = len(vocab)
-    return merges
+        while len(pieces := _merge(word, ranks)) > 1:
+            ranks[pieces[0], pieces[1]] = len(ranks)
+            vocab.setdefault(pieces[0] + pieces[1], len(vocab))
+    return list(ranks)
+
+
+def _merge(word: str, ranks: dict[tuple[str, str], int]) -> list[str]:
+    """``word`` split by a BPE with the merges ``ranks``: the lowest-ranked adjacent pair joined first,
+    the leftmost of equals."""
+    pieces = list(word)
+    while len(pieces) > 1:
+        rank, i = min((ranks.get(pair, len(ranks)), i) for i, pair in enumerate(itertools.pairwise(pieces)))
+        if rank == len(ranks):
+            break
+        pieces[i : i + 2] = [pieces[i] + pieces[i + 1]]
+    return pieces
 
 
 def _fill(
@@ -184,7 +213,7 @@ class Qwen2Bpe:
         texts = template.replace("{}", "").replace("<|im_start|>", "\n").split("<|im_end|>")
         words = _byte_level_words(PRETOKENIZE_REGEX, texts)
         vocab = {s: i for i, s in enumerate(_BYTES)}
-        merges = _spell(vocab, words)
+        merges = _spell(vocab, words, ignore_merges=False)  # as transformers builds a Qwen2Tokenizer
         spelled = _bpe(dict(vocab), list(merges), PRETOKENIZE_REGEX)
         keep_apart = set().union(*(_adjacent(spelled.encode(t).tokens) for t in texts))
         _fill(vocab, merges, _ALNUM + "\u0120", self.regular, keep_apart)
@@ -201,11 +230,89 @@ class Qwen2Bpe:
         fixed = len(tokenizer(template.split("{}")[0]).input_ids)
         if fixed != drop:
             raise ValueError(
-                f"the Qwen2 tokenizer splits QwenImagePipeline's system part into {fixed} tokens, not {drop}"
+                f"the Qwen2 tokenizer splits its template's fixed part into {fixed} tokens, not {drop}"
             )
         return tokenizer
 
     def save(self, tokenizer: Qwen2Tokenizer, path: Path) -> None:
+        tokenizer.save_pretrained(path)
+
+
+QWEN2_VL_CHAT_TEMPLATE = (
+    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
+    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}"
+    "{{ message['content'] }}<|im_end|>\n{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
+    "{% set image_count.value = image_count.value + 1 %}"
+    "{% if add_vision_id %}Picture {{ image_count.value }}: {% endif %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] == 'video' or 'video' in content %}{% set video_count.value = video_count.value + 1 %}"
+    "{% if add_vision_id %}Video {{ video_count.value }}: {% endif %}<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+"""Qwen2-VL's and Qwen2.5-VL's chat template, as their published tokenizers carry it (the one
+transformers' Qwen2-VL processor tests use)."""
+
+
+@dataclass(frozen=True)
+class Qwen2ChatBpe(Qwen2Bpe):
+    """HunyuanVideo-1.5's Qwen2.5-VL tokenizer: :class:`Qwen2Bpe` over the words of the pipeline's
+    system message instead of QwenImagePipeline's, with :data:`QWEN2_VL_CHAT_TEMPLATE`, through which
+    HunyuanVideo15Pipeline renders its system and user messages (``apply_chat_template``, padded on the
+    right to 1108 tokens). The rendered fixed part, up to the user's text, is the ``crop_start`` (108)
+    tokens the pipeline drops: 105 pre-tokenizer pieces (words, punctuation, the system message's runs
+    of spaces) one token each, and three special tokens."""
+
+    @staticmethod
+    def template() -> tuple[str, int]:
+        """The chat template rendered for HunyuanVideo15Pipeline's system message and a user message
+        ``{}``, and the tokens the pipeline drops (the defaults of ``_get_mllm_prompt_embeds``)."""
+        import inspect
+
+        from diffusers import HunyuanVideo15Pipeline
+        from diffusers.pipelines.hunyuan_video1_5.pipeline_hunyuan_video1_5 import format_text_input
+        from transformers.utils.chat_template_utils import render_jinja_template
+
+        defaults = inspect.signature(HunyuanVideo15Pipeline._get_mllm_prompt_embeds).parameters
+        (text,), _ = render_jinja_template(
+            format_text_input(["{}"], defaults["system_message"].default),
+            chat_template=QWEN2_VL_CHAT_TEMPLATE,
+            add_generation_prompt=True,
+        )
+        return text, defaults["crop_start"].default
+
+    def build(self) -> Qwen2Tokenizer:
+        tokenizer = super().build()
+        tokenizer.chat_template = QWEN2_VL_CHAT_TEMPLATE
+        tokenizer.padding_side = "right"
+        return tokenizer
+
+
+GLYPH_COLORS = 138
+GLYPH_FONTS = (("en", 512), ("cn", 143), ("jp", 211), ("kr", 122))
+"""Glyph-SDXL-v2's color list (``color_idx.json``: 138 named colors) and its multilingual font list
+(``multilingual_10-lang_idx.json``: fonts numbered from 0 within each language, the languages in
+this order), which HunyuanVideo-1.5's ByT5 tokenizer adds as tokens."""
+
+
+@dataclass(frozen=True)
+class ByT5Glyph:
+    """HunyuanVideo-1.5's ByT5 tokenizer: google/byt5-small's (``<pad>`` 0, ``</s>`` 1, ``<unk>`` 2, the
+    256 bytes, 125 sentinels: 384 ids, nothing but its config to store) with the Glyph-SDXL-v2 tokens
+    that diffusers' converter adds as special tokens (``add_special_token``): ``<color-0>`` to
+    ``<color-137>``, then ``<en-font-0>`` ... ``<kr-font-121>`` (:data:`GLYPH_FONTS`), ids 384 to 1509,
+    the rows of the encoder's resized embedding."""
+
+    def build(self) -> ByT5Tokenizer:
+        tokenizer = ByT5Tokenizer(extra_ids=125)
+        colors = [f"<color-{i}>" for i in range(GLYPH_COLORS)]
+        fonts = [f"<{language}-font-{i}>" for language, count in GLYPH_FONTS for i in range(count)]
+        tokenizer.add_tokens(colors + fonts, special_tokens=True)
+        return tokenizer
+
+    def save(self, tokenizer: ByT5Tokenizer, path: Path) -> None:
         tokenizer.save_pretrained(path)
 
 

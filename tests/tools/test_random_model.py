@@ -57,6 +57,18 @@ PUBLISHED_PARAMS = {
         "text_encoder_2": 123.1,
         "vae": 246.5,
     },
+    "hunyuan-video-1.5-480p": {
+        "transformer": 8_326.6,
+        "text_encoder": 7_070.6,
+        "text_encoder_2": 219.3,
+        "vae": 1_260.6,
+    },
+    "hunyuan-video-1.5-720p": {
+        "transformer": 8_326.6,
+        "text_encoder": 7_070.6,
+        "text_encoder_2": 219.3,
+        "vae": 1_260.6,
+    },
     "wan2.1-i2v-14b-480p": {
         "transformer": 16_394.9,
         "text_encoder": 5_680.9,
@@ -84,7 +96,10 @@ encoder (21 GB in fp32); FLUX.2-dev's 32.2B transformer and Mistral-Small's 24.0
 transformers 5's Mistral3Config ties the 671M-parameter output head to the embedding (its
 ``tie_word_embeddings`` defaults to true and the stored config sets none); Qwen-Image's 20.4B and
 Qwen2.5-VL-7B's 8.29B;
-HunyuanVideo's 12.8B and LLaMA-3-8B's 7.5B without its head; Wan2.1-I2V's 16.4B and CLIP ViT-H/14's 632M
+HunyuanVideo's 12.8B and LLaMA-3-8B's 7.5B without its head; HunyuanVideo-1.5's 8.3B (both
+resolutions), Qwen2.5-VL-7B's language model alone (7.07B, no vision tower, no head), ByT5-small's
+encoder with its embedding resized to the 1510 glyph-extended ids (219M) and a 1.26B VAE (counted from
+the configs: no published count); Wan2.1-I2V's 16.4B and CLIP ViT-H/14's 632M
 vision tower; Wan2.2-TI2V's 5.0B and its 705M VAE; Wan2.2-T2V-A14B's two experts of Wan2.1-14B's 14.3B,
 and Wan2.2-I2V-A14B's, 0.4M more each for the patch embedding of 36 channels (counted from the configs:
 no published per-expert count)."""
@@ -96,6 +111,8 @@ DETECTED = {
     "flux2-dev": ("flux2", "FLUX.2-dev"),
     "qwen-image": ("qwen-image", "Qwen-Image"),
     "hunyuan-video": ("hunyuan-video", "HunyuanVideo"),
+    "hunyuan-video-1.5-480p": ("hunyuan-video-1.5", "HunyuanVideo-1.5-480p_t2v"),
+    "hunyuan-video-1.5-720p": ("hunyuan-video-1.5", "HunyuanVideo-1.5-720p_t2v"),
     "sd3.5-large": ("sd3", "SD3.5-large"),
     "sd3.5-medium": ("sd3", "SD3.5-medium"),
     "wan2.1-t2v-14b": ("wan", "Wan2.1-T2V-14B"),
@@ -111,12 +128,16 @@ TOKENIZER_LENGTHS = {
     "CLIPTokenizer": 49408,
     "T5TokenizerFast": {32128: 32100, 256384: 256300},
     "Qwen2Tokenizer": 151665,
+    "Qwen2TokenizerFast": 151665,
     "LlamaTokenizerFast": 128259,
     "PixtralProcessor": 131072,
+    "ByT5Tokenizer": 1510,
 }
 """What the real tokenizers report as ``len``: CLIP's full vocabulary; T5 32000 pieces + 100 sentinels
-under a 32128-row embedding, UMT5 256000 + 300 under 256384; Qwen2.5's 151643 + 22 special tokens;
-Llama-3's 128256 and llava-llama-3's <unk>, <image> and <pad>; Tekken's 131072 (1000 control tokens)."""
+under a 32128-row embedding, UMT5 256000 + 300 under 256384; Qwen2.5's 151643 + 22 special tokens
+(``Qwen2TokenizerFast`` is the same class in transformers 5); Llama-3's 128256 and llava-llama-3's
+<unk>, <image> and <pad>; Tekken's 131072 (1000 control tokens); ByT5's 384 and Glyph-SDXL-v2's 138
+color and 988 font tokens."""
 
 
 def _blocks(model) -> dict[str, int]:
@@ -132,8 +153,11 @@ def test_stored_configs_name_every_component(variant):
     assert set(components) == {*spec.weights, *spec.tokenizers, "scheduler", *rm.copied(variant)}
     for name, (library, class_name) in components.items():
         assert hasattr(importlib.import_module(library), class_name), f"{variant}/{name}: {class_name}"
-    for name in rm.copied(variant):
-        assert [p.name for p in (rm.CONFIGS / variant / name).iterdir()] == ["preprocessor_config.json"]
+    for name in rm.copied(variant):  # one config file, the one its class reads
+        library, class_name = components[name]
+        cls = getattr(importlib.import_module(library), class_name)
+        file = "preprocessor_config.json" if library == "transformers" else cls.config_name
+        assert [p.name for p in (rm.CONFIGS / variant / name).iterdir()] == [file]
     assert (rm.CONFIGS / variant / "SOURCE.md").is_file()
 
 
@@ -159,6 +183,7 @@ _LAYERS = {
     "CLIPTextModelWithProjection": "num_hidden_layers",
     "CLIPVisionModelWithProjection": "num_hidden_layers",
     "LlamaModel": "num_hidden_layers",
+    "Qwen2_5_VLTextModel": "num_hidden_layers",
     "T5EncoderModel": "num_layers",
     "UMT5EncoderModel": "num_layers",
     "Qwen2_5_VLForConditionalGeneration": "text_config.num_hidden_layers",
@@ -177,11 +202,15 @@ def test_depth_cuts_blocks_and_encoder_layers_and_keeps_width(variant):
         "FluxTransformer2DModel": {"transformer_blocks": 2, "single_transformer_blocks": 4},
         "Flux2Transformer2DModel": {"transformer_blocks": 2, "single_transformer_blocks": 12},
         "HunyuanVideoTransformer3DModel": {"transformer_blocks": 2, "single_transformer_blocks": 4},
+        "HunyuanVideo15Transformer3DModel": {"transformer_blocks": 2},
         "QwenImageTransformer2DModel": {"transformer_blocks": 2},
         "SD3Transformer2DModel": {"transformer_blocks": 2},
         "WanTransformer3DModel": {"blocks": 2},
     }[class_name]
     assert _blocks(transformer) == expected
+    if class_name == "HunyuanVideo15Transformer3DModel":  # the token refiner is not cut
+        refiner = transformer.context_embedder.token_refiner.refiner_blocks
+        assert len(refiner) == full["transformer"][2]["num_refiner_layers"] == 2
     if class_name == "SD3Transformer2DModel":
         dual = [i for i, block in enumerate(transformer.transformer_blocks) if block.attn2 is not None]
         assert dual == [i for i in full["transformer"][2].get("dual_attention_layers", []) if i < 2]
@@ -209,19 +238,24 @@ def test_depth_counts_at_depth_2():
 
 
 def test_encoders_keep_the_layers_their_pipelines_read():
-    """FLUX.2 stacks Mistral's hidden states 10, 20 and 30; HunyuanVideo reads LLaMA's
-    hidden_states[-(num_hidden_layers_to_skip + 1)]; Wan I2V reads the CLIP tower's hidden_states[-2]:
-    the cut keeps at least as many layers whatever --depth says."""
-    from diffusers import Flux2Pipeline, HunyuanVideoPipeline, WanImageToVideoPipeline
+    """FLUX.2 stacks Mistral's hidden states 10, 20 and 30; HunyuanVideo reads LLaMA's and
+    HunyuanVideo-1.5 Qwen's hidden_states[-(num_hidden_layers_to_skip + 1)]; Wan I2V reads the CLIP
+    tower's hidden_states[-2]: the cut keeps at least as many layers whatever --depth says."""
+    from diffusers import Flux2Pipeline, HunyuanVideo15Pipeline, HunyuanVideoPipeline, WanImageToVideoPipeline
 
     read = max(inspect.signature(Flux2Pipeline.__call__).parameters["text_encoder_out_layers"].default)
     skip = inspect.signature(HunyuanVideoPipeline._get_llama_prompt_embeds).parameters[
+        "num_hidden_layers_to_skip"
+    ]
+    skip_15 = inspect.signature(HunyuanVideo15Pipeline._get_mllm_prompt_embeds).parameters[
         "num_hidden_layers_to_skip"
     ]
     assert "hidden_states[-2]" in inspect.getsource(WanImageToVideoPipeline.encode_image)
     for variant, name, least in [
         ("flux2-dev", "text_encoder", read),
         ("hunyuan-video", "text_encoder", skip.default + 1),
+        ("hunyuan-video-1.5-480p", "text_encoder", skip_15.default + 1),
+        ("hunyuan-video-1.5-720p", "text_encoder", skip_15.default + 1),
         ("wan2.1-i2v-14b-480p", "image_encoder", 2),
     ]:
         assert rm.VARIANTS[variant].min_layers[name] == least
@@ -245,7 +279,7 @@ def test_a_directory_of_the_cut_configs_is_detected_as_the_variant(variant, tmp_
 def _round_trip(tokenizer_spec, class_name: str, root: Path):
     """The tokenizer built, saved and loaded back by the class model_index.json names, once per spec;
     a PixtralProcessor's tokenizer as the processor loads it (the processor needs torchvision)."""
-    path = root / f"tokenizer-{abs(hash(tokenizer_spec))}"
+    path = root / f"tokenizer-{type(tokenizer_spec).__name__}-{abs(hash(tokenizer_spec))}"
     tokenizer_spec.save(tokenizer_spec.build(), path)
     if class_name == "PixtralProcessor":
         class_name = "TokenizersBackend"
@@ -274,10 +308,19 @@ def test_tokenizers_have_the_real_length_and_ids_inside_the_embedding(variant, t
         elif class_name == "T5TokenizerFast":
             assert (tokenizer.pad_token_id, tokenizer.eos_token_id, ids[-1]) == (0, 1, 1)
             assert tokenizer.convert_tokens_to_ids("<extra_id_0>") == len(tokenizer) - 1
-        elif class_name == "Qwen2Tokenizer":
+        elif class_name in ("Qwen2Tokenizer", "Qwen2TokenizerFast"):
             assert tokenizer.convert_tokens_to_ids(list(rt.QWEN_SPECIALS)) == list(range(151643, 151665))
-            assert tokenizer.convert_tokens_to_ids("<|image_pad|>") == encoder["image_token_id"]
+            image_token_id = encoder.get("image_token_id", 151655)  # none in the text model's config
+            assert tokenizer.convert_tokens_to_ids("<|image_pad|>") == image_token_id
             assert (tokenizer.pad_token, tokenizer.eos_token) == ("<|endoftext|>", "<|im_end|>")
+            assert tokenizer.padding_side == "right"
+        elif class_name == "ByT5Tokenizer":  # bytes shifted by 3, then the sentinels and glyph tokens
+            assert ids[:3] == [x + 3 for x in b"A p"] and ids[-1] == tokenizer.eos_token_id == 1
+            assert tokenizer.convert_tokens_to_ids(["<color-0>", "<en-font-0>", "<kr-font-121>"]) == [
+                384,
+                384 + rt.GLYPH_COLORS,
+                1509,
+            ]
         elif class_name == "LlamaTokenizerFast":
             assert tokenizer.convert_tokens_to_ids(list(rt.LLAMA3_SPECIALS)) == list(range(128000, 128259))
             assert (ids[0], tokenizer.bos_token_id, tokenizer.eos_token_id) == (128000, 128000, 128001)
@@ -318,6 +361,33 @@ def test_the_prompt_templates_split_where_their_pipelines_cut_them(tmp_path_fact
     words = [w for w, _ in tekken.backend_tokenizer.pre_tokenizer.pre_tokenize_str(SYSTEM_MESSAGE)]
     assert tokens[: len(words) + 3] == ["<s>", "[SYSTEM_PROMPT]", *words, "[/SYSTEM_PROMPT]"]
     assert tokens[len(words) + 3] == "[INST]" and tokens[-1] == "[/INST]"
+
+
+def test_hunyuan_video15_chat_template_splits_where_the_pipeline_cuts_it(tmp_path_factory):
+    """HunyuanVideo15Pipeline renders its system message and the prompt through the tokenizer's chat
+    template, pads on the right to crop_start + 1000 tokens and drops the first crop_start (108): the
+    fixed part ends with the user turn's header, and the prompt is what follows."""
+    from diffusers import HunyuanVideo15Pipeline
+    from diffusers.pipelines.hunyuan_video1_5.pipeline_hunyuan_video1_5 import format_text_input
+
+    defaults = inspect.signature(HunyuanVideo15Pipeline._get_mllm_prompt_embeds).parameters
+    crop, system = defaults["crop_start"].default, defaults["system_message"].default
+    spec = rm.VARIANTS["hunyuan-video-1.5-480p"].tokenizers["tokenizer"]
+    _, qwen = _round_trip(spec, "Qwen2TokenizerFast", tmp_path_factory.getbasetemp())
+    chat = qwen.apply_chat_template(
+        format_text_input(["zebra"], system),
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=True,
+        padding="max_length",
+        max_length=crop + 1000,
+        truncation=True,
+    )
+    ids, mask = chat["input_ids"][0], chat["attention_mask"][0]
+    assert crop == 108 and len(ids) == crop + 1000
+    assert qwen.decode(ids[:crop]).endswith(".<|im_end|>\n<|im_start|>user\n")
+    assert qwen.decode(ids[crop : sum(mask)]) == "zebra<|im_end|>\n<|im_start|>assistant\n"
+    assert set(ids[sum(mask) :]) == {qwen.pad_token_id}
 
 
 @pytest.mark.parametrize(
@@ -426,6 +496,9 @@ SLOW_CALLS = {
     # Qwen-Image's scheduler (shift_terminal 0.02) makes NaN timesteps for a one-step call.
     "qwen-image": {"num_inference_steps": 2},
     "hunyuan-video": {"num_frames": 5, "max_sequence_length": 32},
+    # A quoted text in the prompt: the only way the ByT5 glyph encoder runs.
+    "hunyuan-video-1.5-480p": {"prompt": 'a sign that reads "OPEN"', "num_frames": 5},
+    "hunyuan-video-1.5-720p": {"prompt": 'a sign that reads "OPEN"', "num_frames": 5},
     "wan2.1-i2v-14b-480p": {"image": True, "num_frames": 5},
     "wan2.2-ti2v-5b": {"num_frames": 5},
     "wan2.2-t2v-a14b": {"num_frames": 5, "num_inference_steps": 2},  # one step for each expert
@@ -437,7 +510,7 @@ SLOW_CALLS = {
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", list(SLOW_CALLS))
 def test_a_variant_at_depth_1_is_stored_as_published_loads_and_generates(variant, tmp_path, monkeypatch):
-    """2 to 8.5 GiB on disk; 20 to 70 s each to write, load and generate on 2 cores (OMP_NUM_THREADS=2).
+    """2 to 8.5 GiB on disk; 20 to 90 s each to write, load and generate on 2 cores (OMP_NUM_THREADS=2).
     FLUX.2-dev is written with one Mistral layer and one single-stream block: the 30 layers its pipeline
     reads are 33 GB, more than this machine's memory; the call reads hidden state 1 instead. Without
     torchvision, which PixtralProcessor needs, its directory is loaded with the processor's own tokenizer
@@ -463,9 +536,8 @@ def test_a_variant_at_depth_1_is_stored_as_published_loads_and_generates(variant
         assert record["components"][name]["dtype"] == str(weights.dtype).removeprefix("torch."), name
         assert (len(list((out / name).glob("*.safetensors"))) > 1) == (weights.shards > 1), name
     for name in rm.copied(variant):
-        assert (out / name / "preprocessor_config.json").read_text() == (
-            rm.CONFIGS / variant / name / "preprocessor_config.json"
-        ).read_text()
+        for file in (rm.CONFIGS / variant / name).iterdir():
+            assert (out / name / file.name).read_text() == file.read_text(), file
     found = detect(out)
     assert (found.family, found.variant) == DETECTED[variant]
     if variant == "flux2-dev" and importlib.util.find_spec("torchvision") is None:
@@ -477,11 +549,11 @@ def test_a_variant_at_depth_1_is_stored_as_published_loads_and_generates(variant
     pipe = DiffusionPipeline.from_pretrained(out, dtype=torch.bfloat16)
     assert type(pipe).__name__ == rm.model_index(variant)["_class_name"]
     pipe.set_progress_bar_config(disable=True)
-    call = {"height": 64, "width": 64, "num_inference_steps": 1, **SLOW_CALLS[variant]}
+    call = {"prompt": "a cat", "height": 64, "width": 64, "num_inference_steps": 1, **SLOW_CALLS[variant]}
     if call.pop("image", False):
         call["image"] = Image.fromarray(
             np.random.default_rng(0).integers(0, 256, (64, 64, 3), dtype=np.uint8)
         )
-    result = pipe(prompt="a cat", output_type="np", generator=torch.Generator().manual_seed(0), **call)
+    result = pipe(output_type="np", generator=torch.Generator().manual_seed(0), **call)
     frames = np.asarray(result.frames if hasattr(result, "frames") else result.images)
     assert frames.shape[-3:] == (64, 64, 3) and np.isfinite(frames).all()
