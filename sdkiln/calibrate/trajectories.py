@@ -92,7 +92,7 @@ class Trajectories:
                 callback_on_step_end=callback,
                 callback_on_step_end_tensor_inputs=["latents"],
                 **call,
-                **self.spec.condition(call),
+                **self.spec.condition(call, len(self.prompts)),
             )
         except _Stop:
             pass
