@@ -60,11 +60,11 @@ PROMPT_TEMPLATE = (
 )
 """QwenImagePipeline's ``prompt_template_encode``: the tiny tokenizer is built so that the part before
 the prompt is ``prompt_template_encode_start_idx`` (34) tokens, as with the real Qwen2 tokenizer."""
-QWEN_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+TINY_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 
 
 def qwen2_tokenizer(
-    template: str = PROMPT_TEMPLATE, specials: tuple[str, ...] = QWEN_SPECIALS
+    template: str = PROMPT_TEMPLATE, specials: tuple[str, ...] = TINY_SPECIALS
 ) -> Qwen2Tokenizer:
     """A byte-level Qwen2 BPE whose merges spell the words of a pipeline's chat template ``template``.
 

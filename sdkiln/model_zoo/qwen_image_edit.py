@@ -45,7 +45,7 @@ from sdkiln.model_zoo.qwen_image import (
     QWEN_IMAGE_PARALLEL,
     QWEN_IMAGE_REAL_WIDTH,
     QWEN_IMAGE_SMOOTH_FOLDS,
-    QWEN_SPECIALS,
+    TINY_SPECIALS,
     TINY_TEXT_DIM,
 )
 from sdkiln.model_zoo.qwen_image import SPEC as QWEN_IMAGE_SPEC
@@ -106,7 +106,7 @@ def tiny() -> QwenImageEditPipeline:
     )
     from sdkiln.model_zoo.qwen_vl_processor import Qwen2VLImageTextProcessor
 
-    tokenizer = qwen2_tokenizer(EDIT_TEMPLATE, (*QWEN_SPECIALS, *_VISION_SPECIALS))
+    tokenizer = qwen2_tokenizer(EDIT_TEMPLATE, (*TINY_SPECIALS, *_VISION_SPECIALS))
     ids = {token: tokenizer.convert_tokens_to_ids(token) for token in _VISION_SPECIALS}
     processor = Qwen2VLImageTextProcessor(
         image_processor=Qwen2VLImageProcessorPil(
