@@ -63,7 +63,7 @@ def assert_same_outputs():
     def check(result, loaded) -> None:
         call = result.spec.call_kwargs()
         prompts, seeds = list(result.spec.eval_prompts[:2]), [3, 4]
-        inputs = result.spec.condition(call)
+        inputs = result.spec.condition(call, len(prompts))
         img_mem, lat_mem = generate(result.pipeline, call, prompts, seeds, inputs=inputs)
         img_pkg, lat_pkg = generate(loaded, call, prompts, seeds, inputs=inputs)
         assert torch.equal(lat_mem, lat_pkg)

@@ -93,7 +93,7 @@ class Trajectories:
                     generator=self._generators(),
                     **extra,
                     **call,
-                    **self.spec.condition(call),
+                    **self.spec.condition(call, len(self.prompts)),
                 )
         except _Stop:
             pass

@@ -146,14 +146,15 @@ def capture_inputs(pipe, height: int | None, width: int | None) -> dict[str, tor
     if width is not None:
         kwargs["width"] = width
     with_area(kwargs)
+    prompts = ["a photo of a cat", "a red car"]
     handle = transformer.register_forward_pre_hook(grab, with_kwargs=True)
     try:
         with torch.inference_mode():
             pipe(
-                prompt=["a photo of a cat", "a red car"],
+                prompt=prompts,
                 generator=torch.Generator().manual_seed(0),
                 **kwargs,
-                **get_spec(info["family"], info.get("variant")).condition(kwargs),
+                **get_spec(info["family"], info.get("variant")).condition(kwargs, len(prompts)),
             )
     finally:
         handle.remove()

@@ -70,6 +70,40 @@ def _write_json(path: Path, data: Any) -> None:
     path.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n", encoding="utf-8")
 
 
+CHAT_TEMPLATE_JINJA = "chat_template.jinja"
+CHAT_TEMPLATE_JSON = "chat_template.json"
+
+
+def _save_component(component, directory: Path, name: str) -> None:
+    """``component.save_pretrained`` with every chat template in JSON, a file the loader reads under its
+    strict JSON limits, rather than in a .jinja file (which packages do not hold). A tokenizer's
+    (FLUX.2, Qwen-Image) stays inside its tokenizer_config.json (``save_jinja_files=False``). A
+    processor (a transformers ``ProcessorMixin``: Qwen-Image-Edit's) has no such option: its template
+    goes to chat_template.json, the single-template file its ``from_pretrained`` reads, and its
+    tokenizer's files are written again with the tokenizer's template inside."""
+    from transformers import ProcessorMixin
+
+    def chat(obj) -> dict[str, bool]:
+        return {"save_jinja_files": False} if getattr(obj, "chat_template", None) is not None else {}
+
+    if not isinstance(component, ProcessorMixin):
+        component.save_pretrained(directory, **chat(component))
+        return
+    template = component.chat_template
+    if template is not None and not isinstance(template, str):
+        raise PackageError(
+            f"component {name!r} ({type(component).__name__}) has several chat templates, which transformers "
+            "saves only as .jinja files; packages hold one, in JSON"
+        )
+    component.save_pretrained(directory)
+    (directory / CHAT_TEMPLATE_JINJA).unlink(missing_ok=True)
+    if template is not None:
+        _write_json(directory / CHAT_TEMPLATE_JSON, {"chat_template": template})
+    tokenizer = getattr(component, "tokenizer", None)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(directory, **chat(tokenizer))
+
+
 def _write_components(
     tmp: Path, pipeline, transformer_attrs: tuple[str, ...], dtype: torch.dtype | None, max_shard_bytes: int
 ) -> tuple[dict[str, list[str]], dict[str, tuple[str, int]]]:
@@ -83,10 +117,7 @@ def _write_components(
             raise PackageError(
                 f"component {name!r} ({type(component).__name__}) cannot be saved without pickle"
             )
-        # a tokenizer's chat template (FLUX.2, Qwen-Image) stays inside its tokenizer_config.json, a
-        # file the loader reads under its strict JSON limits, rather than a chat_template.jinja beside it
-        chat = {"save_jinja_files": False} if getattr(component, "chat_template", None) is not None else {}
-        component.save_pretrained(tmp / name, **chat)
+        _save_component(component, tmp / name, name)
     extras, hashed = {}, {}
     stem = TRANSFORMER_WEIGHTS.removesuffix(".safetensors")
     for attr in transformer_attrs:

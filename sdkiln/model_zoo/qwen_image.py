@@ -31,6 +31,7 @@ zoo's tiny build.
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING
 
 from sdkiln.model_zoo.spec import (
@@ -45,11 +46,11 @@ from sdkiln.model_zoo.spec import (
 )
 
 if TYPE_CHECKING:
-    from diffusers import QwenImagePipeline
+    from diffusers import FlowMatchEulerDiscreteScheduler, QwenImagePipeline, QwenImageTransformer2DModel
     from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
 
 _SEED = 0
-_TEXT_DIM = 32
+TINY_TEXT_DIM = 32
 _MAX_TEXT_TOKENS = 16
 
 PROMPT_TEMPLATE = (
@@ -59,17 +60,20 @@ PROMPT_TEMPLATE = (
 )
 """QwenImagePipeline's ``prompt_template_encode``: the tiny tokenizer is built so that the part before
 the prompt is ``prompt_template_encode_start_idx`` (34) tokens, as with the real Qwen2 tokenizer."""
-_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+TINY_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 
 
-def qwen2_tokenizer() -> Qwen2Tokenizer:
-    """A byte-level Qwen2 BPE whose merges spell the words of the pipeline's chat template.
+def qwen2_tokenizer(
+    template: str = PROMPT_TEMPLATE, specials: tuple[str, ...] = TINY_SPECIALS
+) -> Qwen2Tokenizer:
+    """A byte-level Qwen2 BPE whose merges spell the words of a pipeline's chat template ``template``.
 
-    ``<|endoftext|>`` = 0 (also pad), ``<|im_start|>`` = 1, ``<|im_end|>`` = 2, then the 256 byte symbols,
-    then one symbol per merge. The merges build every word of :data:`PROMPT_TEMPLATE` letter by letter,
-    so the template's system part is one token per word and punctuation mark, 34 tokens, as the real
-    152k-token tokenizer makes it: the pipeline drops exactly the system part. Other text is mostly
-    single bytes.
+    The ``specials`` take the first ids, ``<|endoftext|>`` = 0 (also pad), ``<|im_start|>`` = 1,
+    ``<|im_end|>`` = 2 and any others after them, then come the 256 byte symbols, then one symbol per
+    merge. The merges build every word of the template letter by letter, so its system part is one token
+    per word and punctuation mark, as the real 152k-token tokenizer makes it (34 tokens for
+    :data:`PROMPT_TEMPLATE`): the pipeline drops exactly the system part. Other text is mostly single
+    bytes.
     """
     from tokenizers import AddedToken, Regex, pre_tokenizers
     from transformers import Qwen2Tokenizer
@@ -81,22 +85,42 @@ def qwen2_tokenizer() -> Qwen2Tokenizer:
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ]
     )
-    plain = PROMPT_TEMPLATE.replace("{}", "").replace("<|im_start|>", "\n").replace("<|im_end|>", "\n")
-    vocab = {s: i for i, s in enumerate((*_SPECIALS, *sorted(pre_tokenizers.ByteLevel.alphabet())))}
+    plain = template.replace("{}", "")
+    for special in specials:
+        plain = plain.replace(special, "\n")
+    vocab = {s: i for i, s in enumerate((*specials, *sorted(pre_tokenizers.ByteLevel.alphabet())))}
     merges: list[tuple[str, str]] = []
     for word in dict.fromkeys(w for w, _ in split.pre_tokenize_str(plain)):
         for i in range(1, len(word)):
             if (word[:i], word[i]) not in merges:
                 merges.append((word[:i], word[i]))
                 vocab.setdefault(word[: i + 1], len(vocab))
-    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=merges, model_max_length=32768)
-    tokenizer.add_tokens([AddedToken(s, special=True) for s in _SPECIALS[1:]])
+    # A merge of two letters can outrank a word's own spelling (QwenImageEditPipeline's "color" makes
+    # "co" before " consistency" makes " c"): the template's words (between its special tokens) that
+    # come out in pieces have their merges moved first until each is one token (Qwen-Image's template
+    # needs no move).
+    segments = re.split("|".join(map(re.escape, specials)), template.replace("{}", ""))
+    words = list(dict.fromkeys(w for segment in segments for w, _ in split.pre_tokenize_str(segment)))
+    for _ in range(len(words)):
+        tokenizer = Qwen2Tokenizer(vocab=vocab, merges=merges, model_max_length=32768)
+        pieces = [w for w in words if len(tokenizer.backend_tokenizer.model.tokenize(w)) > 1]
+        if not pieces:
+            break
+        first = list(dict.fromkeys((w[:i], w[i]) for w in pieces for i in range(1, len(w))))
+        merges = first + [merge for merge in merges if merge not in first]
+    else:
+        raise ValueError(f"no order of the spelling merges makes {pieces[:3]} one token each")
+    tokenizer.add_tokens([AddedToken(s, special=True) for s in specials[1:]])
     return tokenizer
 
 
-def qwen2_5_vl_text_encoder(hidden_size: int, vocab_size: int) -> Qwen2_5_VLForConditionalGeneration:
+def qwen2_5_vl_text_encoder(
+    hidden_size: int, vocab_size: int, **token_ids: int
+) -> Qwen2_5_VLForConditionalGeneration:
     """A 2-layer Qwen2.5-VL (2 heads, so head size ``hidden_size / 2`` split by M-RoPE 1/4, 3/8, 3/8)
-    with a 2-block vision tower the text-to-image pipeline never calls."""
+    with a 2-block vision tower of width 16 (14-pixel patches, merged 2x2), which the text-to-image
+    pipeline never calls and the edit pipeline runs on its input image. ``token_ids``: the config's
+    vision token ids (``image_token_id``, ``vision_start_token_id``, ...) in the tokenizer's vocabulary."""
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     half_head = hidden_size // 4
@@ -130,44 +154,62 @@ def qwen2_5_vl_text_encoder(hidden_size: int, vocab_size: int) -> Qwen2_5_VLForC
             "out_hidden_size": hidden_size,
             "fullatt_block_indexes": [1],
         },
+        **token_ids,
     )
     return Qwen2_5_VLForConditionalGeneration(config).eval()
+
+
+def tiny_transformer() -> QwenImageTransformer2DModel:
+    """The test builds' transformer: 2 double-stream blocks, width 128 (4 heads of 32, RoPE axes 8/12/12),
+    text width 32, drawn from torch's current random state."""
+    from diffusers import QwenImageTransformer2DModel
+
+    return QwenImageTransformer2DModel(
+        patch_size=2,
+        in_channels=64,
+        out_channels=16,
+        num_layers=2,
+        attention_head_dim=32,
+        num_attention_heads=4,
+        joint_attention_dim=TINY_TEXT_DIM,
+        axes_dims_rope=(8, 12, 12),
+    ).eval()
+
+
+def tiny_scheduler() -> FlowMatchEulerDiscreteScheduler:
+    """Qwen-Image's scheduler (exponential dynamic shift over 256..8192 tokens, 0.5..0.9) without its
+    ``shift_terminal`` 0.02, with which diffusers' scheduler makes NaN timesteps for a 1-step call (0 / 0
+    when stretching the one sigma): tests and tools run the test builds for single steps."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    return FlowMatchEulerDiscreteScheduler(
+        base_image_seq_len=256,
+        base_shift=0.5,
+        max_image_seq_len=8192,
+        max_shift=0.9,
+        shift=1.0,
+        time_shift_type="exponential",
+        use_dynamic_shifting=True,
+    )
 
 
 def tiny() -> QwenImagePipeline:
     """A real ``QwenImagePipeline`` at test size with fixed random weights (float32, eval mode).
 
-    Transformer: 2 double-stream blocks, width 128 (4 heads of 32, RoPE axes 8/12/12), text width 32.
-    The VAE keeps Qwen-Image's 8x spatial compression and 16 latent channels at base width 8, so a
-    128x128 image is a 16x16x16 latent, packed 2x2 into 8x8 = 64 image tokens of 64 channels. The
-    text encoder is a 2-layer Qwen2.5-VL of width 32. The scheduler is Qwen-Image's (exponential
-    dynamic shift over 256..8192 tokens, 0.5..0.9) without its ``shift_terminal`` 0.02, with which
-    diffusers' scheduler makes NaN timesteps for a 1-step call (0 / 0 when stretching the one sigma):
-    tests and tools run the tiny build for single steps.
+    Transformer: :func:`tiny_transformer`. The VAE keeps Qwen-Image's 8x spatial compression and 16
+    latent channels at base width 8, so a 128x128 image is a 16x16x16 latent, packed 2x2 into 8x8 = 64
+    image tokens of 64 channels. The text encoder is a 2-layer Qwen2.5-VL of width 32. The scheduler:
+    :func:`tiny_scheduler`.
 
     The diffusers and transformers imports live here so that reading the spec costs none of them.
     """
     import torch
-    from diffusers import (
-        AutoencoderKLQwenImage,
-        FlowMatchEulerDiscreteScheduler,
-        QwenImagePipeline,
-        QwenImageTransformer2DModel,
-    )
+    from diffusers import AutoencoderKLQwenImage, QwenImagePipeline
 
     tokenizer = qwen2_tokenizer()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(_SEED)
-        transformer = QwenImageTransformer2DModel(
-            patch_size=2,
-            in_channels=64,
-            out_channels=16,
-            num_layers=2,
-            attention_head_dim=32,
-            num_attention_heads=4,
-            joint_attention_dim=_TEXT_DIM,
-            axes_dims_rope=(8, 12, 12),
-        ).eval()
+        transformer = tiny_transformer()
         vae = AutoencoderKLQwenImage(
             base_dim=8,
             z_dim=16,
@@ -180,18 +222,13 @@ def tiny() -> QwenImagePipeline:
         with torch.no_grad():
             vae.decoder.conv_out.weight.mul_(4.0)
             vae.decoder.conv_out.bias.mul_(4.0)
-        text_encoder = qwen2_5_vl_text_encoder(_TEXT_DIM, 16 * -(-len(tokenizer) // 16))
-    scheduler = FlowMatchEulerDiscreteScheduler(
-        base_image_seq_len=256,
-        base_shift=0.5,
-        max_image_seq_len=8192,
-        max_shift=0.9,
-        shift=1.0,
-        time_shift_type="exponential",
-        use_dynamic_shifting=True,
-    )
+        text_encoder = qwen2_5_vl_text_encoder(TINY_TEXT_DIM, 16 * -(-len(tokenizer) // 16))
     return QwenImagePipeline(
-        scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer
+        scheduler=tiny_scheduler(),
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        transformer=transformer,
     )
 
 
@@ -223,14 +260,14 @@ QWEN_IMAGE_PARALLEL = ParallelPlan(
     gathers=(SequenceGather("proj_out", 1, 3),),
 )
 
-_REAL_WIDTH = {
+QWEN_IMAGE_REAL_WIDTH = {
     "in_channels": 64,
     "out_channels": 16,
     "num_attention_heads": 24,
     "attention_head_dim": 128,
     "joint_attention_dim": 3584,
 }
-_ONE_STREAM_LAYOUT = {
+QWEN_IMAGE_ONE_STREAM = {
     "guidance_embeds": False,
     "zero_cond_t": False,
     "use_additional_t_cond": False,
@@ -240,7 +277,7 @@ QWEN_IMAGE_VARIANTS = (
     Variant(
         "Qwen-Image",
         "Qwen/Qwen-Image, 20B MMDiT, 1328x1328",
-        match={**_REAL_WIDTH, **_ONE_STREAM_LAYOUT},
+        match={**QWEN_IMAGE_REAL_WIDTH, **QWEN_IMAGE_ONE_STREAM},
         call_defaults={
             "num_inference_steps": 50,
             "true_cfg_scale": 4.0,
@@ -260,8 +297,8 @@ QWEN_IMAGE_VARIANTS = (
             "out_channels": 16,
             "num_attention_heads": 4,
             "attention_head_dim": 32,
-            "joint_attention_dim": _TEXT_DIM,
-            **_ONE_STREAM_LAYOUT,
+            "joint_attention_dim": TINY_TEXT_DIM,
+            **QWEN_IMAGE_ONE_STREAM,
         },
         call_defaults={
             "num_inference_steps": 4,

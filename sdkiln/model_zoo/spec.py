@@ -315,6 +315,10 @@ class ModelSpec:
     image_required: bool = False
     """Whether the pipeline refuses to run without its conditioning image (Wan image-to-video), rather
     than generating from text alone (FLUX.1-Kontext)."""
+    image_per_prompt: bool = False
+    """Whether a call of several prompts takes one conditioning image per prompt, as a list
+    (QwenImageEditPipeline's processor pairs each prompt with a picture): ``condition`` then gives the
+    picture in a list, once per prompt."""
     refusals: dict[str, str] = field(default_factory=dict)
     """Capabilities (``CAPABILITIES``) this family refuses, each with its reason: asking for one is the
     one-line ``ModelError`` of ``refuse``, raised where the capability starts."""
@@ -414,14 +418,18 @@ class ModelSpec:
         """The multiple the resolved variant's height and width must be."""
         return self.variant_size_multiple or self.size_multiple
 
-    def condition(self, call: Mapping[str, Any]) -> dict[str, Any]:
+    def condition(self, call: Mapping[str, Any], prompts: int = 1) -> dict[str, Any]:
         """The inputs besides the call's (never saved in a package) that offline calibration and
-        evaluation give the pipeline: a fixed synthetic conditioning image at the call's size under
-        ``image_arg``; nothing for a text-only family."""
+        evaluation give the pipeline for a call of ``prompts`` prompts: a fixed synthetic conditioning
+        image at the call's size under ``image_arg`` (a list of it, one per prompt, where
+        ``image_per_prompt``); nothing for a text-only family."""
         if self.image_arg is None:
             return {}
         image = calibration_image(int(call["height"]), int(call["width"]))
-        return {self.image_arg: image, **self.condition_kwargs}
+        return {
+            self.image_arg: [image] * prompts if self.image_per_prompt else image,
+            **self.condition_kwargs,
+        }
 
     def attention_site(self, name: str) -> AttentionSite | None:
         """The first attention site whose pattern matches module ``name``; None: not an attention site."""

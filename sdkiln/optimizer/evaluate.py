@@ -46,8 +46,9 @@ def generate(
     inputs: dict[str, Any] | None = None,
 ) -> tuple[np.ndarray, torch.Tensor]:
     """Images (np, [N, ...] in [0, 1]) and final latents for ``prompts`` with one CPU generator per seed;
-    ``inputs``: pipeline inputs besides the call's (``ModelSpec.condition``: a conditioning image).
-    Each batch decodes through ``bounded_decode``."""
+    ``inputs``: pipeline inputs besides the call's (``ModelSpec.condition``: a conditioning image), where
+    a list holds one entry per prompt and is cut into batches with the prompts. Each batch
+    decodes through ``bounded_decode``."""
     images, latents = [], []
     captured: dict[str, torch.Tensor] = {}
 
@@ -60,10 +61,13 @@ def generate(
     for start in tqdm(range(0, len(prompts), batch_size), desc=desc, unit="batch", leave=False):
         batch = prompts[start : start + batch_size]
         gens = [torch.Generator("cpu").manual_seed(s) for s in seeds[start : start + batch_size]]
+        batch_inputs = {
+            k: v[start : start + batch_size] if isinstance(v, list) else v for k, v in (inputs or {}).items()
+        }
         if "negative_prompt" in kwargs:
             kwargs["negative_prompt"] = [call_kwargs["negative_prompt"]] * len(batch)
         with on_step_end(pipe, capture) as extra, bounded_decode(pipe, call_kwargs):
-            out = pipe(prompt=batch, generator=gens, **extra, **kwargs, **(inputs or {}))
+            out = pipe(prompt=batch, generator=gens, **extra, **kwargs, **batch_inputs)
         frames = out.frames if hasattr(out, "frames") else out.images
         images.append(np.asarray(frames, dtype=np.float32))
         latents.append(captured.pop("latents").float().cpu())
@@ -134,7 +138,9 @@ def reference(
     call = spec.call_kwargs() if call is None else call
     batch_size = batch_size or default_eval_batch(call)
     prompts, seeds = sample_plan(spec, num_samples, seed)
-    images, latents = generate(base, call, prompts, seeds, batch_size, "original", spec.condition(call))
+    images, latents = generate(
+        base, call, prompts, seeds, batch_size, "original", spec.condition(call, len(prompts))
+    )
     theirs = spec.metrics(images, prompts) if spec.metrics is not None else None
     return Reference(prompts, seeds, images, latents, call, seed, theirs)
 
@@ -150,7 +156,13 @@ def measure(
     for runner in runners:
         runner.reset_counters()
     opt_imgs, opt_lat = generate(
-        optimized, call, ref.prompts, ref.seeds, batch_size, "optimized", spec.condition(call)
+        optimized,
+        call,
+        ref.prompts,
+        ref.seeds,
+        batch_size,
+        "optimized",
+        spec.condition(call, len(ref.prompts)),
     )
     base_imgs, prompts = ref.images, ref.prompts
     psnr = np.minimum(metrics.psnr(base_imgs, opt_imgs), PSNR_CAP_DB)

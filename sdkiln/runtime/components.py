@@ -38,6 +38,9 @@ from sdkiln.runtime.safetensors_data import TensorInfo, parse_header
 LIBRARIES = ("diffusers", "transformers")
 # Pipelines come from diffusers or from sdkiln's own model zoo, nowhere else.
 PIPELINE_MODULES = ("diffusers", "sdkiln.model_zoo.")
+# A component comes from diffusers or transformers; the zoo's own components are processors
+# (model_zoo.qwen_vl_processor: Qwen2VLProcessor without the video processor that needs torchvision).
+ZOO_COMPONENTS = "sdkiln.model_zoo."
 # A float tensor may be stored in any of these (a bf16 package); integer and float8 tensors (the
 # quantized values) must have exactly the dtype their module declares.
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -376,9 +379,9 @@ def _guider(pkg: Package, name: str, cls: type) -> Any:
         return cls.from_config(config)
 
 
-def _tokenizer(pkg: Package, name: str, cls: type) -> Any:
-    """Tokenizers read their files by path: the verified bytes are written to a private directory
-    for them, so they read exactly what was verified."""
+def _from_files(pkg: Package, name: str, cls: type) -> Any:
+    """Tokenizers and processors read their files by path: the verified bytes are written to a private
+    directory for them, so they read exactly what was verified."""
     files = _files_of(pkg, name, "")
     for rel in files:
         if rel.endswith(".json"):
@@ -389,7 +392,10 @@ def _tokenizer(pkg: Package, name: str, cls: type) -> Any:
             target.parent.mkdir(parents=True, exist_ok=True)
             target.write_bytes(pkg.data(rel))
         with third_party(f"{name}/", f"loading {cls.__name__}"):
-            tokenizer = cls.from_pretrained(tmp, local_files_only=True)
+            return cls.from_pretrained(tmp, local_files_only=True)
+
+
+def _check_max_length(tokenizer: Any, name: str) -> None:
     # Pipelines pad CLIP prompts to model_max_length. The tokenizers library allocates that many
     # tokens (and aborts the process when it cannot); at 2^64 and above (transformers' "no limit",
     # int(1e30)) it refuses with an OverflowError, which a run reports as one RunError.
@@ -403,7 +409,21 @@ def _tokenizer(pkg: Package, name: str, cls: type) -> Any:
             f"{name}/tokenizer_config.json: model_max_length {length}: padding to it would allocate "
             f"that many tokens (at most {MAX_TOKENIZER_LENGTH:,}, or transformers' 'no limit')"
         )
+
+
+def _tokenizer(pkg: Package, name: str, cls: type) -> Any:
+    tokenizer = _from_files(pkg, name, cls)
+    _check_max_length(tokenizer, name)
     return tokenizer
+
+
+def _processor(pkg: Package, name: str, cls: type) -> Any:
+    """A transformers processor (its tokenizer, image processor and chat template, from JSON files):
+    its tokenizer is held to a tokenizer's limits."""
+    processor = _from_files(pkg, name, cls)
+    if getattr(processor, "tokenizer", None) is not None:
+        _check_max_length(processor.tokenizer, name)
+    return processor
 
 
 def load_component(
@@ -419,11 +439,15 @@ def load_component(
     declared class (a transformer posing as a VAE is refused before its constructor runs)."""
     from diffusers import ModelMixin, SchedulerMixin
     from diffusers.guiders.guider_utils import BaseGuidance
-    from transformers import ImageProcessingMixin, PreTrainedModel, PreTrainedTokenizerBase
+    from transformers import ImageProcessingMixin, PreTrainedModel, PreTrainedTokenizerBase, ProcessorMixin
 
-    if library not in LIBRARIES:
+    if library not in LIBRARIES and not library.startswith(ZOO_COMPONENTS):
         raise PackageError(f"model_index.json: component {name!r} comes from {library!r}, not {LIBRARIES}")
-    cls = resolve_class(f"{library}:{class_name}", object, f"component {name!r}", modules=LIBRARIES)
+    cls = resolve_class(
+        f"{library}:{class_name}", object, f"component {name!r}", modules=(*LIBRARIES, ZOO_COMPONENTS)
+    )
+    if library not in LIBRARIES and not issubclass(cls, ProcessorMixin):
+        raise PackageError(f"model_index.json: component {name!r} is sdkiln's {class_name}, not a processor")
     if (
         isinstance(declared, type)
         and issubclass(declared, nn.Module)
@@ -449,6 +473,8 @@ def load_component(
         return _tokenizer(pkg, name, cls)
     if issubclass(cls, ImageProcessingMixin):
         return _image_processor(pkg, name, cls)
+    if issubclass(cls, ProcessorMixin):
+        return _processor(pkg, name, cls)
     raise PackageError(f"model_index.json: component {name!r} is a {class_name}, which sdkiln does not load")
 
 
@@ -518,18 +544,20 @@ def assemble(
 
 def _check_vocabularies(components: dict[str, Any]) -> None:
     """Each tokenizer's ids must index its text encoder's embedding (``tokenizer_2`` feeds
-    ``text_encoder_2``): a token added in a tokenizer file would otherwise fail inside the model."""
-    for name, tokenizer in components.items():
-        encoder = components.get(name.replace("tokenizer", "text_encoder"))
-        if (
-            not name.startswith("tokenizer")
-            or tokenizer is None
-            or not hasattr(encoder, "get_input_embeddings")
-        ):
+    ``text_encoder_2``, a ``processor``'s tokenizer ``text_encoder``): a token added in a tokenizer file
+    would otherwise fail inside the model."""
+    for name, component in components.items():
+        if name == "processor":
+            tokenizer, encoder_name = getattr(component, "tokenizer", None), "text_encoder"
+        elif name.startswith("tokenizer"):
+            tokenizer, encoder_name = component, name.replace("tokenizer", "text_encoder")
+        else:
+            continue
+        encoder = components.get(encoder_name)
+        if tokenizer is None or not hasattr(encoder, "get_input_embeddings"):
             continue
         rows = encoder.get_input_embeddings().num_embeddings
         if len(tokenizer) > rows:
             raise PackageError(
-                f"{name}/: the tokenizer has {len(tokenizer)} tokens, but "
-                f"{name.replace('tokenizer', 'text_encoder')} embeds only {rows}"
+                f"{name}/: the tokenizer has {len(tokenizer)} tokens, but {encoder_name} embeds only {rows}"
             )

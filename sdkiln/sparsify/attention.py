@@ -232,7 +232,13 @@ def _run(ctx: TransformContext, plan: SparseAttentionPlan, call, prompts, seeds)
     attach_sparse_attention(ctx.pipeline, ctx.spec, plan)
     try:
         images, _ = generate(
-            ctx.pipeline, call, prompts, seeds, len(prompts), "sparse attention", ctx.spec.condition(call)
+            ctx.pipeline,
+            call,
+            prompts,
+            seeds,
+            len(prompts),
+            "sparse attention",
+            ctx.spec.condition(call, len(prompts)),
         )
     finally:
         detach_sparse_attention(ctx.transformer)
@@ -251,7 +257,13 @@ def _dense_reference(ctx: TransformContext, call, prompts, seeds) -> tuple[np.nd
     handle = ctx.transformer.register_forward_pre_hook(read, with_kwargs=True)
     try:
         images, _ = generate(
-            ctx.pipeline, call, prompts, seeds, len(prompts), "dense attention", ctx.spec.condition(call)
+            ctx.pipeline,
+            call,
+            prompts,
+            seeds,
+            len(prompts),
+            "dense attention",
+            ctx.spec.condition(call, len(prompts)),
         )
     finally:
         handle.remove()

@@ -60,6 +60,7 @@ EXPECTED_PATTERNS = {
     "wan2.2-a14b-i2v-tiny": {"rms_norm", "adaln", "rope", "gelu_tanh", "gate_add"},
     # Qwen-Image computes RoPE in complex numbers, which no pattern matches
     "qwen-image-tiny": {"rms_norm", "adaln", "gelu_tanh", "gate_add"},
+    "qwen-image-edit-tiny": {"rms_norm", "adaln", "gelu_tanh", "gate_add"},
     # the single blocks add their residual last: "gate * x + residual", a gate_add form of its own
     "hunyuan-video-tiny": {"rms_norm", "adaln", "rope", "gelu_tanh", "gate_add"},
     # FLUX.2's modulation is shared and applied as (1 + scale) * LN(x) + shift outside the adaln pattern
@@ -173,6 +174,7 @@ COMPILE_SLOW = {
     "flux2-tiny",
     "hunyuan-video-tiny",
     "qwen-image-tiny",
+    "qwen-image-edit-tiny",
     "wan-i2v-tiny",
     "wan2.2-a14b-tiny",
     "wan2.2-a14b-i2v-tiny",

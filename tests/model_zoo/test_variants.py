@@ -191,6 +191,14 @@ TINY_DEFAULTS = {
         "max_sequence_length": 16,
         "output_type": "np",
     },
+    "qwen-image-edit-tiny": {
+        "num_inference_steps": 4,
+        "true_cfg_scale": 4.0,
+        "negative_prompt": " ",
+        "height": 256,
+        "width": 256,
+        "output_type": "np",
+    },
 }
 
 
@@ -376,3 +384,26 @@ def test_a_published_config_directory_is_detected_as_its_variant(tmp_path, direc
     shutil.copy(source / "transformer" / "config.json", tmp_path / "transformer" / "config.json")
     spec = detect(tmp_path)
     assert (spec.family, spec.variant) == PUBLISHED_CONFIGS[directory]
+
+
+def test_qwen_image_edit_is_told_from_qwen_image_by_its_pipeline_class(tmp_path):
+    """Qwen-Image-Edit's transformer is Qwen-Image's, width for width (the published config in
+    tools/model_configs/qwen-image): model_index.json's QwenImageEditPipeline makes it the edit family,
+    with QwenImageEditPipeline's published defaults at a square picture's output size."""
+    source = Path(__file__).resolve().parents[2] / "tools" / "model_configs" / "qwen-image"
+    (tmp_path / "transformer").mkdir()
+    shutil.copy(source / "transformer" / "config.json", tmp_path / "transformer" / "config.json")
+    index = json.loads((source / "model_index.json").read_text())
+    index.update(_class_name="QwenImageEditPipeline", processor=["transformers", "Qwen2VLProcessor"])
+    (tmp_path / "model_index.json").write_text(json.dumps(index))
+    spec = detect(tmp_path)
+    assert (spec.family, spec.variant) == ("qwen-image-edit", "Qwen-Image-Edit")
+    assert spec.call_defaults == {
+        "num_inference_steps": 50,
+        "true_cfg_scale": 4.0,
+        "negative_prompt": " ",
+        "height": 1024,
+        "width": 1024,
+        "output_type": "np",
+    }
+    assert spec.guidance_arg == "true_cfg_scale" and spec.image_required and spec.image_per_prompt

@@ -191,7 +191,7 @@ class Search:
                 seeds,
                 len(prompts),
                 "confirm",
-                self.ctx.spec.condition(call),
+                self.ctx.spec.condition(call, len(prompts)),
             )
         finally:
             detach_cache(self.ctx.transformer)
@@ -221,7 +221,13 @@ class Search:
         )
         try:
             generate(
-                self.ctx.pipeline, call, prompts, seeds, len(prompts), "guard", self.ctx.spec.condition(call)
+                self.ctx.pipeline,
+                call,
+                prompts,
+                seeds,
+                len(prompts),
+                "guard",
+                self.ctx.spec.condition(call, len(prompts)),
             )
         finally:
             detach_cache(self.ctx.transformer)
@@ -383,7 +389,7 @@ def apply_cache_auto(ctx: TransformContext, config: CacheAutoConfig) -> Transfor
 
     call = ctx.call_kwargs()
     ref_images, ref_latents = generate(
-        ctx.pipeline, call, prompts, seeds, len(prompts), "uncached", ctx.spec.condition(call)
+        ctx.pipeline, call, prompts, seeds, len(prompts), "uncached", ctx.spec.condition(call, len(prompts))
     )
     confirmed = Confirmed(search, prompts, seeds, ref_images, ref_latents)
     full = search.num_steps * search.num_blocks
@@ -407,7 +413,13 @@ def apply_cache_auto(ctx: TransformContext, config: CacheAutoConfig) -> Transfor
     eval_prompts = [ctx.spec.eval_prompts[i % len(ctx.spec.eval_prompts)] for i in range(config.eval_samples)]
     eval_seeds = [EVAL_SEED + i for i in range(config.eval_samples)]
     held_images, held_latents = generate(
-        ctx.pipeline, call, eval_prompts, eval_seeds, len(eval_prompts), "held-out", ctx.spec.condition(call)
+        ctx.pipeline,
+        call,
+        eval_prompts,
+        eval_seeds,
+        len(eval_prompts),
+        "held-out",
+        ctx.spec.condition(call, len(eval_prompts)),
     )
     actions = [Action.parse(a) for a in chosen["actions"]]
     schedule = search.schedule(actions)
