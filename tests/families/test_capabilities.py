@@ -173,13 +173,15 @@ COMPILE_SLOW = {
     "flux-kontext-tiny",
     "flux2-tiny",
     "hunyuan-video-tiny",
+    "hunyuan-video-1.5-tiny",
     "qwen-image-tiny",
     "qwen-image-edit-tiny",
     "wan-i2v-tiny",
     "wan2.2-a14b-tiny",
     "wan2.2-a14b-i2v-tiny",
 }
-"""Families whose whole-transformer compile takes over 10 s on 2 cores: under --run-slow (CI budget).
+"""Families whose compile takes over 10 s on 2 cores: under --run-slow (CI budget). HunyuanVideo-1.5's
+regional compile has its fast twin in test_load_compiles_a_regional_family_by_block_and_says_so.
 Wan2.2-A14B's experts (text- and image-to-video) are wan-tiny's transformer class, compiled in tests/runtime."""
 
 
