@@ -195,6 +195,22 @@ def _straight_to(device: torch.device | None) -> dict[str, Any]:
     return {"device_map": device.type}
 
 
+def _import_own_components(path: Path) -> None:
+    """Import the sdkiln modules a directory's model_index.json names as component libraries (a saved
+    Qwen-Image-Edit test build's processor, ``sdkiln.model_zoo.qwen_vl_processor``): diffusers loads a
+    component from a library only once it is imported. Only sdkiln's own model zoo is imported."""
+    index = json.loads((path / "model_index.json").read_text(encoding="utf-8"))
+    for entry in index.values() if isinstance(index, dict) else ():
+        library = entry[0] if isinstance(entry, list) and entry and isinstance(entry[0], str) else ""
+        if library.startswith("sdkiln.model_zoo.") and library.replace(".", "").replace("_", "").isalnum():
+            try:
+                importlib.import_module(library)
+            except ImportError:
+                raise ModelError(
+                    f"{path}/model_index.json: component library {library!r} is not in sdkiln"
+                ) from None
+
+
 def load_model(
     model: str | None = None, dtype: torch.dtype | None = None, device: torch.device | None = None
 ):
@@ -231,6 +247,7 @@ def load_model(
     spec = detect(path)
     dtype = dtype or stored_dtype(path, spec.transformer_attr) or torch.float32
     class_name = spec.pipeline_class.split(":")[-1]
+    _import_own_components(path)
     with third_party(str(path), f"loading {class_name} with diffusers", ModelError):
         pipe = _import_class(spec.pipeline_class).from_pretrained(
             str(path), use_safetensors=True, dtype=dtype, **_straight_to(device)

@@ -5,11 +5,14 @@ Exact comparisons only (one CPU thread, the same seed on the same weights)."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
 
-from sdkiln.model_zoo import get_spec
+from sdkiln.errors import ModelError
+from sdkiln.model_zoo import get_spec, load_model
 from sdkiln.model_zoo.qwen_image_edit import EDIT_TEMPLATE
 from sdkiln.optimizer.evaluate import generate
 
@@ -75,3 +78,19 @@ def test_generate_cuts_one_picture_per_prompt_into_the_batches(edit):
     assert images.shape == (3, call["height"], call["width"], 3) and latents.shape[0] == 3
     alone, _ = generate(pipe, call, prompts[2:], seeds[2:], 2, inputs=spec.condition(call, 1))
     assert np.array_equal(images[2:], alone)
+
+
+def test_a_saved_test_build_loads_as_a_directory(edit, tmp_path):
+    """Its processor's class is the zoo's (``qwen_vl_processor``), which diffusers loads only once
+    imported: ``load_model`` imports the zoo modules a model_index.json names, and nothing else."""
+    spec, pipe = edit
+    pipe.save_pretrained(tmp_path / "edit")
+    loaded, found, _ = load_model(str(tmp_path / "edit"))
+    assert found.family == spec.family and type(loaded.processor) is type(pipe.processor)
+    index = json.loads((tmp_path / "edit" / "model_index.json").read_text())
+    index["processor"] = ["sdkiln.model_zoo.no_such_module", "Qwen2VLProcessor"]
+    (tmp_path / "edit" / "model_index.json").write_text(json.dumps(index))
+    with pytest.raises(
+        ModelError, match="component library 'sdkiln.model_zoo.no_such_module' is not in sdkiln"
+    ):
+        load_model(str(tmp_path / "edit"))
