@@ -12,7 +12,7 @@ loaders, never for judging quality. A ``sdkiln_random_model.json`` at its root s
 was made.
 
 Variants (``VARIANTS``): flux-dev, flux-schnell, flux.1-kontext-dev, flux2-dev, qwen-image,
-hunyuan-video, hunyuan-video-1.5-480p, hunyuan-video-1.5-720p, sd3.5-large, sd3.5-medium,
+qwen-image-edit, hunyuan-video, hunyuan-video-1.5-480p, hunyuan-video-1.5-720p, sd3.5-large, sd3.5-medium,
 wan2.1-t2v-14b, wan2.1-t2v-1.3b, wan2.1-i2v-14b-480p, wan2.2-ti2v-5b, wan2.2-t2v-a14b and
 wan2.2-i2v-a14b (two experts each). ``sdkiln.model_zoo.detect`` resolves each directory to its family
 and variant.
@@ -35,7 +35,8 @@ about the largest component (FLUX.2-dev's text encoder, 30 Mistral layers at any
 bf16). The directory is written under a temporary name beside ``--out`` and renamed when complete. The
 tokenizers (``random_tokenizers.py``) are built in memory with the real vocabulary sizes and
 special-token ids, in the spirit of ``sdkiln/model_zoo/tiny_text.py``; FLUX.2's is written as the
-``PixtralProcessor`` folder its model_index.json names, which loads where torchvision is installed.
+``PixtralProcessor`` folder its model_index.json names and Qwen-Image-Edit's as its ``Qwen2VLProcessor``
+folder, which load where torchvision is installed.
 Components stored as plain published files (Wan I2V's ``image_processor``, HunyuanVideo-1.5's
 ``guider``) are copied as they are.
 
@@ -67,6 +68,8 @@ from random_tokenizers import (  # noqa: E402
     Llama3Bpe,
     Qwen2Bpe,
     Qwen2ChatBpe,
+    Qwen2EditBpe,
+    Qwen2VLProcessorFiles,
     T5Unigram,
     TekkenBpe,
 )
@@ -96,6 +99,7 @@ class Variant:
     weights: dict[str, Weights]
     """per model component (the folders with a config.json)"""
     tokenizers: dict[str, ClipBpe | T5Unigram | Qwen2Bpe | Llama3Bpe | TekkenBpe | ByT5Glyph]
+    """per tokenizer or processor component (a processor's folder: its tokenizer and configs)"""
     min_layers: dict[str, int] = field(default_factory=dict)
     """per text or image encoder that the pipeline reads an inner hidden state of: the fewest layers
     ``--depth`` leaves it, so that the state the pipeline reads is still a layer's output"""
@@ -152,6 +156,11 @@ VARIANTS: dict[str, Variant] = {
         "Qwen/Qwen-Image",
         {"transformer": Weights(_BF16, 9), "text_encoder": Weights(_BF16, 4), "vae": Weights(_BF16)},
         {"tokenizer": Qwen2Bpe()},
+    ),
+    "qwen-image-edit": Variant(
+        "Qwen/Qwen-Image-Edit",
+        {"transformer": Weights(_BF16, 9), "text_encoder": Weights(_BF16, 4), "vae": Weights(_BF16)},
+        {"tokenizer": Qwen2EditBpe(), "processor": Qwen2VLProcessorFiles()},
     ),
     # HunyuanVideoPipeline reads LLaMA's hidden_states[-3] (num_hidden_layers_to_skip 2).
     "hunyuan-video": Variant(

@@ -184,6 +184,9 @@ QWEN_SPECIALS = (
 )  # fmt: skip
 """Qwen2.5's 22 special tokens, ids 151643 to 151664 (``<|image_pad|>`` = 151655, the encoder's
 ``image_token_id``)."""
+QWEN_VISION = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>")
+"""The special tokens a Qwen2.5-VL prompt template holds a picture's place with: the processor expands
+``<|image_pad|>`` to the picture's merged patches."""
 
 
 @dataclass(frozen=True)
@@ -191,7 +194,8 @@ class Qwen2Bpe:
     """Qwen2.5-VL's byte-level BPE at its real size: 151643 regular tokens (the 256 byte symbols, the
     words of QwenImagePipeline's prompt template, fillers), then :data:`QWEN_SPECIALS`; pad
     ``<|endoftext|>``, eos ``<|im_end|>``. The template's system part is ``prompt_template_encode_start_idx``
-    (34) tokens, as the pipeline drops."""
+    (34) tokens, as the pipeline drops. The picture's placeholders (:data:`QWEN_VISION`) are taken out
+    of the template before it is counted: they are special tokens, and no pipeline drops them."""
 
     regular: int = 151643
     model_max_length: int = 131072
@@ -210,6 +214,8 @@ class Qwen2Bpe:
         from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
         template, drop = self.template()
+        for vision in QWEN_VISION:  # special tokens: the processor expands them, the pipeline keeps them
+            template = template.replace(vision, "")
         texts = template.replace("{}", "").replace("<|im_start|>", "\n").split("<|im_end|>")
         words = _byte_level_words(PRETOKENIZE_REGEX, texts)
         vocab = {s: i for i, s in enumerate(_BYTES)}
@@ -288,6 +294,55 @@ class Qwen2ChatBpe(Qwen2Bpe):
         tokenizer.chat_template = QWEN2_VL_CHAT_TEMPLATE
         tokenizer.padding_side = "right"
         return tokenizer
+
+
+@dataclass(frozen=True)
+class Qwen2EditBpe(Qwen2Bpe):
+    """Qwen-Image-Edit's tokenizer: :class:`Qwen2Bpe` over the words of QwenImageEditPipeline's
+    template, whose system part (up to the user turn's header, before the picture's placeholders) is
+    the ``prompt_template_encode_start_idx`` (64) tokens the pipeline drops."""
+
+    @staticmethod
+    def template() -> tuple[str, int]:
+        from diffusers import QwenImageEditPipeline
+
+        pipe = QwenImageEditPipeline(
+            scheduler=None, vae=None, text_encoder=None, tokenizer=None, processor=None, transformer=None
+        )
+        return pipe.prompt_template_encode, pipe.prompt_template_encode_start_idx
+
+
+QWEN2_VL_IMAGE_PROCESSOR = {
+    "min_pixels": 56 * 56,
+    "max_pixels": 28 * 28 * 16384,
+    "patch_size": 14,
+    "temporal_patch_size": 2,
+    "merge_size": 2,
+    "image_mean": [0.48145466, 0.4578275, 0.40821073],
+    "image_std": [0.26862954, 0.26130258, 0.27577711],
+    "image_processor_type": "Qwen2VLImageProcessor",
+    "processor_class": "Qwen2VLProcessor",
+}
+"""Qwen2.5-VL-7B-Instruct's image processor: 14-pixel patches, 2 frames a patch, merged 2x2 (the vision
+tower's config), pictures resized to between 3136 and 12845056 pixels, CLIP's normalization."""
+
+
+@dataclass(frozen=True)
+class Qwen2VLProcessorFiles(Qwen2EditBpe):
+    """Qwen-Image-Edit's ``processor`` folder: the tokenizer of :class:`Qwen2EditBpe` with Qwen2.5-VL's
+    chat template (:data:`QWEN2_VL_CHAT_TEMPLATE`) and the image processor's config
+    (:data:`QWEN2_VL_IMAGE_PROCESSOR`). ``build`` returns the tokenizer; the pipeline uses the processor
+    for the picture and the templated prompt. ``Qwen2VLProcessor`` itself also builds a video processor,
+    which needs torchvision."""
+
+    def build(self) -> Qwen2Tokenizer:
+        tokenizer = super().build()
+        tokenizer.chat_template = QWEN2_VL_CHAT_TEMPLATE
+        return tokenizer
+
+    def save(self, tokenizer: Qwen2Tokenizer, path: Path) -> None:
+        tokenizer.save_pretrained(path)
+        (path / "preprocessor_config.json").write_text(json.dumps(QWEN2_VL_IMAGE_PROCESSOR, indent=2) + "\n")
 
 
 GLYPH_COLORS = 138

@@ -211,6 +211,23 @@ def _import_own_components(path: Path) -> None:
                 ) from None
 
 
+def _substituted(path: Path) -> dict:
+    """The components of a directory loaded as another class than model_index.json names (a
+    ``Qwen2VLProcessor`` without torchvision: ``model_zoo.qwen_vl_processor.substitute``), by name, for
+    diffusers' ``from_pretrained`` to take as they are."""
+    from sdkiln.model_zoo.qwen_vl_processor import SUBSTITUTES, substitute
+
+    index = json.loads((path / "model_index.json").read_text(encoding="utf-8"))
+    out = {}
+    for name, entry in index.items() if isinstance(index, dict) else ():
+        if isinstance(entry, list) and tuple(entry) in SUBSTITUTES:
+            cls = substitute(*entry, where=f"{path}/{name}")
+            if cls is not None:
+                with third_party(f"{path}/{name}", f"loading {cls.__name__}", ModelError):
+                    out[name] = cls.from_pretrained(path / name)
+    return out
+
+
 def load_model(
     model: str | None = None, dtype: torch.dtype | None = None, device: torch.device | None = None
 ):
@@ -250,7 +267,7 @@ def load_model(
     _import_own_components(path)
     with third_party(str(path), f"loading {class_name} with diffusers", ModelError):
         pipe = _import_class(spec.pipeline_class).from_pretrained(
-            str(path), use_safetensors=True, dtype=dtype, **_straight_to(device)
+            str(path), use_safetensors=True, dtype=dtype, **_straight_to(device), **_substituted(path)
         )
     return pipe, spec, str(path.resolve())
 

@@ -446,6 +446,10 @@ def load_component(
     cls = resolve_class(
         f"{library}:{class_name}", object, f"component {name!r}", modules=(*LIBRARIES, ZOO_COMPONENTS)
     )
+    if isinstance(cls, type) and issubclass(cls, ProcessorMixin):  # Qwen2VLProcessor without torchvision
+        from sdkiln.model_zoo.qwen_vl_processor import substitute
+
+        cls = substitute(library, class_name, where=name) or cls
     if library not in LIBRARIES and not issubclass(cls, ProcessorMixin):
         raise PackageError(f"model_index.json: component {name!r} is sdkiln's {class_name}, not a processor")
     if (

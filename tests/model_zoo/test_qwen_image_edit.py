@@ -5,6 +5,7 @@ Exact comparisons only (one CPU thread, the same seed on the same weights)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import numpy as np
@@ -80,14 +81,30 @@ def test_generate_cuts_one_picture_per_prompt_into_the_batches(edit):
     assert np.array_equal(images[2:], alone)
 
 
-def test_a_saved_test_build_loads_as_a_directory(edit, tmp_path):
+def test_a_saved_test_build_loads_as_a_directory(edit, tmp_path, monkeypatch, caplog):
     """Its processor's class is the zoo's (``qwen_vl_processor``), which diffusers loads only once
-    imported: ``load_model`` imports the zoo modules a model_index.json names, and nothing else."""
+    imported: ``load_model`` imports the zoo modules a model_index.json names, and nothing else. Named
+    as published (transformers' ``Qwen2VLProcessor``), it loads as the zoo's where torchvision is absent."""
     spec, pipe = edit
     pipe.save_pretrained(tmp_path / "edit")
     loaded, found, _ = load_model(str(tmp_path / "edit"))
     assert found.family == spec.family and type(loaded.processor) is type(pipe.processor)
     index = json.loads((tmp_path / "edit" / "model_index.json").read_text())
+    # as published: transformers' class, which builds only with torchvision (absent, or faked absent)
+    find_spec = importlib.util.find_spec
+    with monkeypatch.context() as patch:
+        patch.setattr(
+            importlib.util, "find_spec", lambda n, *a: None if n == "torchvision" else find_spec(n, *a)
+        )
+        (tmp_path / "edit" / "model_index.json").write_text(
+            json.dumps(index | {"processor": ["transformers", "Qwen2VLProcessor"]})
+        )
+        with caplog.at_level("WARNING", logger="sdkiln.load"):
+            published, _, _ = load_model(str(tmp_path / "edit"))
+    assert type(published.processor) is type(pipe.processor)
+    assert (
+        "needs torchvision (not installed); loading it as sdkiln.model_zoo.qwen_vl_processor" in caplog.text
+    )
     index["processor"] = ["sdkiln.model_zoo.no_such_module", "Qwen2VLProcessor"]
     (tmp_path / "edit" / "model_index.json").write_text(json.dumps(index))
     with pytest.raises(

@@ -123,3 +123,28 @@ def test_a_forged_processor_is_one_package_error(edit, tmp_path, name):
     with pytest.raises(PackageError, match=words) as caught:
         sdkiln.load(root, device="cpu")
     assert "\n" not in str(caught.value)
+
+
+def test_a_published_qwen2vl_processor_loads_without_torchvision(edit, tmp_path, monkeypatch, caplog):
+    """A package (or directory, ``tests/model_zoo/test_qwen_image_edit.py``) naming transformers'
+    ``Qwen2VLProcessor``, as a published Qwen-Image-Edit does: where torchvision is absent (faked here
+    where it is installed) it loads as the zoo's processor with one warning, and processes as saved."""
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda n, *a: None if n == "torchvision" else find_spec(n, *a)
+    )
+    root = Path(shutil.copytree(edit.package, tmp_path / "pkg"))
+    index = json.loads((root / "model_index.json").read_text())
+    (root / "model_index.json").write_text(
+        json.dumps(index | {"processor": ["transformers", "Qwen2VLProcessor"]})
+    )
+    resign(root)
+    with caplog.at_level("WARNING", logger="sdkiln.load"):
+        loaded = sdkiln.load(root, device="cpu").processor
+    assert type(loaded).__name__ == ZOO_PROCESSOR[1]
+    [warning] = [r.getMessage() for r in caplog.records if "torchvision" in r.getMessage()]
+    assert warning.startswith("processor: transformers' Qwen2VLProcessor builds a video processor")
+    ours, theirs = _inputs(loaded), _inputs(edit.pipeline.processor)
+    assert all(torch.equal(ours[key], theirs[key]) for key in theirs)

@@ -10,7 +10,6 @@ import importlib
 import inspect
 import json
 import sys
-from functools import cache
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +19,6 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tools"))
 import random_model as rm  # noqa: E402
-import random_tokenizers as rt  # noqa: E402
 
 from sdkiln.model_zoo import detect, stored_dtype  # noqa: E402
 
@@ -51,6 +49,7 @@ PUBLISHED_PARAMS = {
     },
     "flux2-dev": {"transformer": 32_223.3, "text_encoder": 23_340.3, "vae": 84.0},
     "qwen-image": {"transformer": 20_430.4, "text_encoder": 8_292.2, "vae": 126.9},
+    "qwen-image-edit": {"transformer": 20_430.4, "text_encoder": 8_292.2, "vae": 126.9},
     "hunyuan-video": {
         "transformer": 12_821.0,
         "text_encoder": 7_505.2,
@@ -95,7 +94,7 @@ its saved 384^2 positional table), Wan2.1's 14.3B and 1.42B (5.7 GB in fp32) and
 encoder (21 GB in fp32); FLUX.2-dev's 32.2B transformer and Mistral-Small's 24.0B, here 23.3B:
 transformers 5's Mistral3Config ties the 671M-parameter output head to the embedding (its
 ``tie_word_embeddings`` defaults to true and the stored config sets none); Qwen-Image's 20.4B and
-Qwen2.5-VL-7B's 8.29B;
+Qwen2.5-VL-7B's 8.29B (Qwen-Image-Edit's the same);
 HunyuanVideo's 12.8B and LLaMA-3-8B's 7.5B without its head; HunyuanVideo-1.5's 8.3B (both
 resolutions), Qwen2.5-VL-7B's language model alone (7.07B, no vision tower, no head), ByT5-small's
 encoder with its embedding resized to the 1510 glyph-extended ids (219M) and a 1.26B VAE (counted from
@@ -110,6 +109,7 @@ DETECTED = {
     "flux.1-kontext-dev": ("flux-kontext", "FLUX.1-Kontext-dev"),
     "flux2-dev": ("flux2", "FLUX.2-dev"),
     "qwen-image": ("qwen-image", "Qwen-Image"),
+    "qwen-image-edit": ("qwen-image-edit", "Qwen-Image-Edit"),
     "hunyuan-video": ("hunyuan-video", "HunyuanVideo"),
     "hunyuan-video-1.5-480p": ("hunyuan-video-1.5", "HunyuanVideo-1.5-480p_t2v"),
     "hunyuan-video-1.5-720p": ("hunyuan-video-1.5", "HunyuanVideo-1.5-720p_t2v"),
@@ -123,21 +123,6 @@ DETECTED = {
     "wan2.2-i2v-a14b": ("wan2.2-a14b-i2v", "Wan2.2-I2V-A14B"),
 }
 """What ``sdkiln.model_zoo.detect`` resolves each variant's directory to (family, variant)."""
-
-TOKENIZER_LENGTHS = {
-    "CLIPTokenizer": 49408,
-    "T5TokenizerFast": {32128: 32100, 256384: 256300},
-    "Qwen2Tokenizer": 151665,
-    "Qwen2TokenizerFast": 151665,
-    "LlamaTokenizerFast": 128259,
-    "PixtralProcessor": 131072,
-    "ByT5Tokenizer": 1510,
-}
-"""What the real tokenizers report as ``len``: CLIP's full vocabulary; T5 32000 pieces + 100 sentinels
-under a 32128-row embedding, UMT5 256000 + 300 under 256384; Qwen2.5's 151643 + 22 special tokens
-(``Qwen2TokenizerFast`` is the same class in transformers 5); Llama-3's 128256 and llava-llama-3's
-<unk>, <image> and <pad>; Tekken's 131072 (1000 control tokens); ByT5's 384 and Glyph-SDXL-v2's 138
-color and 988 font tokens."""
 
 
 def _blocks(model) -> dict[str, int]:
@@ -275,121 +260,6 @@ def test_a_directory_of_the_cut_configs_is_detected_as_the_variant(variant, tmp_
     assert (spec.family, spec.variant) == DETECTED[variant]
 
 
-@cache
-def _round_trip(tokenizer_spec, class_name: str, root: Path):
-    """The tokenizer built, saved and loaded back by the class model_index.json names, once per spec;
-    a PixtralProcessor's tokenizer as the processor loads it (the processor needs torchvision)."""
-    path = root / f"tokenizer-{type(tokenizer_spec).__name__}-{abs(hash(tokenizer_spec))}"
-    tokenizer_spec.save(tokenizer_spec.build(), path)
-    if class_name == "PixtralProcessor":
-        class_name = "TokenizersBackend"
-    return path, getattr(importlib.import_module("transformers"), class_name).from_pretrained(path)
-
-
-def _vocab_size(config: dict) -> int:
-    return config["vocab_size"] if "vocab_size" in config else config["text_config"]["vocab_size"]
-
-
-@pytest.mark.parametrize("variant", list(rm.VARIANTS))
-def test_tokenizers_have_the_real_length_and_ids_inside_the_embedding(variant, tmp_path_factory):
-    spec = rm.VARIANTS[variant]
-    index, configs = rm.model_index(variant), rm.component_configs(variant)
-    for name, tokenizer_spec in spec.tokenizers.items():
-        class_name = index[name][1]
-        path, tokenizer = _round_trip(tokenizer_spec, class_name, tmp_path_factory.getbasetemp())
-        encoder = configs[name.replace("tokenizer", "text_encoder")][2]
-        expected = TOKENIZER_LENGTHS[class_name]
-        assert len(tokenizer) == (expected if isinstance(expected, int) else expected[encoder["vocab_size"]])
-        ids = tokenizer("A photo of a cat, 4K; <extra_id_0> ünïcode 猫").input_ids
-        assert max(ids) < _vocab_size(encoder)
-        if class_name == "CLIPTokenizer":
-            assert (ids[0], ids[-1]) == (49406, 49407) == (tokenizer.bos_token_id, tokenizer.eos_token_id)
-            assert len(json.loads((path / "vocab.json").read_text())) == 49408
-        elif class_name == "T5TokenizerFast":
-            assert (tokenizer.pad_token_id, tokenizer.eos_token_id, ids[-1]) == (0, 1, 1)
-            assert tokenizer.convert_tokens_to_ids("<extra_id_0>") == len(tokenizer) - 1
-        elif class_name in ("Qwen2Tokenizer", "Qwen2TokenizerFast"):
-            assert tokenizer.convert_tokens_to_ids(list(rt.QWEN_SPECIALS)) == list(range(151643, 151665))
-            image_token_id = encoder.get("image_token_id", 151655)  # none in the text model's config
-            assert tokenizer.convert_tokens_to_ids("<|image_pad|>") == image_token_id
-            assert (tokenizer.pad_token, tokenizer.eos_token) == ("<|endoftext|>", "<|im_end|>")
-            assert tokenizer.padding_side == "right"
-        elif class_name == "ByT5Tokenizer":  # bytes shifted by 3, then the sentinels and glyph tokens
-            assert ids[:3] == [x + 3 for x in b"A p"] and ids[-1] == tokenizer.eos_token_id == 1
-            assert tokenizer.convert_tokens_to_ids(["<color-0>", "<en-font-0>", "<kr-font-121>"]) == [
-                384,
-                384 + rt.GLYPH_COLORS,
-                1509,
-            ]
-        elif class_name == "LlamaTokenizerFast":
-            assert tokenizer.convert_tokens_to_ids(list(rt.LLAMA3_SPECIALS)) == list(range(128000, 128259))
-            assert (ids[0], tokenizer.bos_token_id, tokenizer.eos_token_id) == (128000, 128000, 128001)
-            assert (tokenizer.pad_token_id, tokenizer.padding_side) == (128258, "right")
-        else:  # the PixtralProcessor's tokenizer, with the processor's and image processor's configs
-            assert tokenizer.convert_tokens_to_ids(list(rt.TEKKEN_SPECIALS)) == list(range(1000))
-            assert tokenizer.convert_tokens_to_ids("[IMG]") == encoder["image_token_index"]
-            assert json.loads((path / "processor_config.json").read_text())["processor_class"] == class_name
-            processor = json.loads((path / "preprocessor_config.json").read_text())
-            assert processor["patch_size"]["height"] == encoder["vision_config"]["patch_size"]
-            assert processor["size"]["longest_edge"] == encoder["vision_config"]["image_size"]
-
-
-def test_the_prompt_templates_split_where_their_pipelines_cut_them(tmp_path_factory):
-    """QwenImagePipeline drops the first 34 tokens of its template's encoding and HunyuanVideoPipeline
-    the first 95 (with the begin-of-text token): both are the template's fixed part here, and a prompt
-    starts a token of its own after it. FLUX.2's system message is one token per word."""
-    from diffusers.pipelines.flux2.pipeline_flux2 import format_input
-    from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
-    from diffusers.pipelines.hunyuan_video.pipeline_hunyuan_video import DEFAULT_PROMPT_TEMPLATE
-
-    root = tmp_path_factory.getbasetemp()
-    _, qwen = _round_trip(rm.VARIANTS["qwen-image"].tokenizers["tokenizer"], "Qwen2Tokenizer", root)
-    template, drop = rt.Qwen2Bpe.template()
-    ids = qwen(template.format("zebra")).input_ids
-    assert len(qwen(template.split("{}")[0]).input_ids) == drop == 34
-    assert qwen.decode(ids[drop:]).startswith("zebra<|im_end|>")
-    _, llama = _round_trip(rm.VARIANTS["hunyuan-video"].tokenizers["tokenizer"], "LlamaTokenizerFast", root)
-    template, crop = DEFAULT_PROMPT_TEMPLATE["template"], DEFAULT_PROMPT_TEMPLATE["crop_start"]
-    ids = llama(template.format("zebra")).input_ids
-    assert len(llama(template.split("{}")[0]).input_ids) == crop == 95
-    assert llama.decode(ids[crop:]) == "zebra<|eot_id|>"
-    _, tekken = _round_trip(rm.VARIANTS["flux2-dev"].tokenizers["tokenizer"], "PixtralProcessor", root)
-    chat = tekken.apply_chat_template(
-        format_input(["zebra"], SYSTEM_MESSAGE), tokenize=True, return_dict=True
-    )
-    tokens = tekken.convert_ids_to_tokens(chat["input_ids"][0])
-    words = [w for w, _ in tekken.backend_tokenizer.pre_tokenizer.pre_tokenize_str(SYSTEM_MESSAGE)]
-    assert tokens[: len(words) + 3] == ["<s>", "[SYSTEM_PROMPT]", *words, "[/SYSTEM_PROMPT]"]
-    assert tokens[len(words) + 3] == "[INST]" and tokens[-1] == "[/INST]"
-
-
-def test_hunyuan_video15_chat_template_splits_where_the_pipeline_cuts_it(tmp_path_factory):
-    """HunyuanVideo15Pipeline renders its system message and the prompt through the tokenizer's chat
-    template, pads on the right to crop_start + 1000 tokens and drops the first crop_start (108): the
-    fixed part ends with the user turn's header, and the prompt is what follows."""
-    from diffusers import HunyuanVideo15Pipeline
-    from diffusers.pipelines.hunyuan_video1_5.pipeline_hunyuan_video1_5 import format_text_input
-
-    defaults = inspect.signature(HunyuanVideo15Pipeline._get_mllm_prompt_embeds).parameters
-    crop, system = defaults["crop_start"].default, defaults["system_message"].default
-    spec = rm.VARIANTS["hunyuan-video-1.5-480p"].tokenizers["tokenizer"]
-    _, qwen = _round_trip(spec, "Qwen2TokenizerFast", tmp_path_factory.getbasetemp())
-    chat = qwen.apply_chat_template(
-        format_text_input(["zebra"], system),
-        add_generation_prompt=True,
-        tokenize=True,
-        return_dict=True,
-        padding="max_length",
-        max_length=crop + 1000,
-        truncation=True,
-    )
-    ids, mask = chat["input_ids"][0], chat["attention_mask"][0]
-    assert crop == 108 and len(ids) == crop + 1000
-    assert qwen.decode(ids[:crop]).endswith(".<|im_end|>\n<|im_start|>user\n")
-    assert qwen.decode(ids[crop : sum(mask)]) == "zebra<|im_end|>\n<|im_start|>assistant\n"
-    assert set(ids[sum(mask) :]) == {qwen.pad_token_id}
-
-
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
@@ -495,6 +365,7 @@ SLOW_CALLS = {
     "flux2-dev": {"max_sequence_length": 64, "text_encoder_out_layers": (1, 1, 1)},
     # Qwen-Image's scheduler (shift_terminal 0.02) makes NaN timesteps for a one-step call.
     "qwen-image": {"num_inference_steps": 2},
+    "qwen-image-edit": {"image": True, "num_inference_steps": 2},
     "hunyuan-video": {"num_frames": 5, "max_sequence_length": 32},
     # A quoted text in the prompt: the only way the ByT5 glyph encoder runs.
     "hunyuan-video-1.5-480p": {"prompt": 'a sign that reads "OPEN"', "num_frames": 5},
@@ -507,14 +378,22 @@ SLOW_CALLS = {
 """One small call per variant written by the slow test below (besides a 64x64 size and one step)."""
 
 
+NEEDS_TORCHVISION = {
+    "flux2-dev": {"tokenizer": ["transformers", "TokenizersBackend"]},
+    "qwen-image-edit": {"processor": ["sdkiln.model_zoo.qwen_vl_processor", "Qwen2VLImageTextProcessor"]},
+}
+"""The processors whose class builds a torchvision part (PixtralProcessor's image processor,
+Qwen2VLProcessor's video processor), and what model_index.json names instead where torchvision is
+absent: the processor's own tokenizer, or sdkiln's Qwen2-VL processor without the video part."""
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", list(SLOW_CALLS))
 def test_a_variant_at_depth_1_is_stored_as_published_loads_and_generates(variant, tmp_path, monkeypatch):
     """2 to 8.5 GiB on disk; 20 to 90 s each to write, load and generate on 2 cores (OMP_NUM_THREADS=2).
     FLUX.2-dev is written with one Mistral layer and one single-stream block: the 30 layers its pipeline
     reads are 33 GB, more than this machine's memory; the call reads hidden state 1 instead. Without
-    torchvision, which PixtralProcessor needs, its directory is loaded with the processor's own tokenizer
-    class in model_index.json."""
+    torchvision, a processor is loaded as :data:`NEEDS_TORCHVISION` says."""
     import dataclasses
     import importlib.util
 
@@ -540,11 +419,11 @@ def test_a_variant_at_depth_1_is_stored_as_published_loads_and_generates(variant
             assert (out / name / file.name).read_text() == file.read_text(), file
     found = detect(out)
     assert (found.family, found.variant) == DETECTED[variant]
-    if variant == "flux2-dev" and importlib.util.find_spec("torchvision") is None:
+    if variant in NEEDS_TORCHVISION and importlib.util.find_spec("torchvision") is None:
         index = json.loads((out / "model_index.json").read_text())
-        (out / "model_index.json").write_text(
-            json.dumps(index | {"tokenizer": ["transformers", "TokenizersBackend"]})
-        )
+        (out / "model_index.json").write_text(json.dumps(index | NEEDS_TORCHVISION[variant]))
+        for library, _ in NEEDS_TORCHVISION[variant].values():
+            importlib.import_module(library)  # diffusers loads components only from imported libraries
 
     pipe = DiffusionPipeline.from_pretrained(out, dtype=torch.bfloat16)
     assert type(pipe).__name__ == rm.model_index(variant)["_class_name"]
