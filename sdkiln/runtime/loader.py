@@ -41,7 +41,7 @@ from torch import nn
 from sdkiln import kernels
 from sdkiln.configs.runtime import CompileConfig, ParallelConfig
 from sdkiln.errors import PackageError, ParallelError, SdkilnError, third_party
-from sdkiln.runtime import restore
+from sdkiln.runtime import lora, restore
 from sdkiln.runtime.components import (
     BUDGET_MARGIN,
     assemble,
@@ -53,7 +53,7 @@ from sdkiln.runtime.components import (
     stored_size,
 )
 from sdkiln.runtime.cpu_dtype import widen_slow_dtypes
-from sdkiln.runtime.manifest_schema import expect_dict
+from sdkiln.runtime.manifest_schema import expect_dict, short
 from sdkiln.runtime.package import Package, open_package
 from sdkiln.runtime.sparse import restore as sparse_restore
 
@@ -217,6 +217,36 @@ def _compile(ctx: restore.RestoreContext, compile: CompileConfig | None, device:
             setattr(ctx.pipeline, attr, compile_transformer(transformer, compile, lists))
 
 
+FOLD_STATS = "calibration/stats.safetensors"
+
+
+def _folded_smoothing(pkg: Package) -> dict[str, torch.Tensor]:
+    """SmoothQuant's s of each transformer layer whose 1/s it folded into the float modulation before
+    it (the recipe's ``folded`` list; s in the calibration stats): the layer's input is x / s, which
+    a LoRA branch must undo (``runtime.lora``). Read only for packages that folded something."""
+    folded = []
+    for step in pkg.manifest["recipe"].get("steps", []):
+        record = step.get("result") if isinstance(step, dict) else None
+        layers = record.get("folded") if isinstance(record, dict) else None
+        folded += layers if isinstance(layers, list) else []
+    if not folded:
+        return {}
+    if FOLD_STATS not in pkg.files:
+        raise PackageError(
+            f"manifest.json: SmoothQuant folded {len(folded)} layers, but {FOLD_STATS} is missing"
+        )
+    stats = pkg.tensors(FOLD_STATS)
+    out = {}
+    for layer in folded:
+        s = stats.get(f"smoothquant/{layer}.smooth_scale")
+        if s is None or s.dim() != 1 or not bool((s > 0).all()):
+            raise PackageError(
+                f"{FOLD_STATS}: no positive smooth_scale vector for the folded layer {short(layer)}"
+            )
+        out[layer] = s
+    return out
+
+
 class ColdStart:
     """Seconds from the call to ``load`` to the end of the first transformer call, by phase:
     ``verify`` (manifest, directory, small files), ``build`` (the models on meta, modules swapped),
@@ -308,6 +338,7 @@ def load(
         ctx.pipeline.sdkiln_widened = widen_slow_dtypes(ctx.pipeline)
     clock.mark("device")
     _compile(ctx, compile, target)
+    lora.attach(ctx.pipeline, ctx.transformer, compiled=compile is not None, folded=_folded_smoothing(pkg))
     clock.mark("compile")
     clock.watch_first_step(getattr(ctx.pipeline, ctx.transformer_attr))
     ctx.pipeline.sdkiln_cold_start = clock

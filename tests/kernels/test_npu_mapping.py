@@ -25,7 +25,17 @@ import torch.nn.functional as F
 
 import sdkiln.kernels as K
 from sdkiln.kernels import int4
-from sdkiln.kernels.ops import attention, elementwise, fused, int8, norm, rope, sparse_attention, weight_only
+from sdkiln.kernels.ops import (
+    attention,
+    elementwise,
+    fused,
+    int8,
+    lora,
+    norm,
+    rope,
+    sparse_attention,
+    weight_only,
+)
 from sdkiln.metrics import sqnr_db
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -45,6 +55,7 @@ NPU_KERNELS = {  # op -> its NPU kernels, in the order the dispatcher tries them
     "rope": ["torch_npu"],
     "gelu_tanh": ["torch_npu"],
     "mul_add": ["torch_npu"],
+    "lora_add": ["torch_npu"],
     "rms_norm_quantize": ["torch_npu"],
     "layer_norm_modulate_quantize": ["torch_npu"],
     "attention": ["torch_npu"],
@@ -391,6 +402,19 @@ def test_mul_add_is_addcmul_in_the_promoted_dtype(on_cpu, aten_calls, dtypes):
     assert op == "addcmul" and z.dtype == x.dtype == w.dtype == promoted
     assert torch.equal(z, residual.to(promoted)) and x.shape == (2, 1, 64)
     assert_matches(elementwise.mul_add_reference(gate, branch, residual), y)
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_lora_add_is_two_matmuls_in_the_model_dtype(on_cpu, dtype):
+    """The branch on Ascend: no torch_npu call, the shrink and the expand in the model dtype."""
+    g = torch.Generator().manual_seed(0)
+    x, base = torch.randn(2, 7, 64, generator=g).to(dtype), torch.randn(2, 7, 48, generator=g).to(dtype)
+    a, b = torch.randn(8, 64, generator=g).to(dtype) / 8, torch.randn(48, 8, generator=g).to(dtype)
+    scale = torch.tensor([0.5] * 4 + [1.0] * 2 + [0.0] * 2)
+    assert K.implementation("lora_add", "cpu", x, a, b, scale, base) == "torch_npu"
+    y = torch.ops.sdkiln.lora_add(x, a, b, scale, base)
+    assert on_cpu.calls == []
+    assert_matches(lora.lora_add_reference(x, a, b, scale, base), y)
 
 
 # ---- norm + per-token int8 ----

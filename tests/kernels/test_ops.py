@@ -376,6 +376,13 @@ def op_samples(device) -> dict[str, tuple]:
             1e-6,
             torch.float8_e4m3fn,
         ),
+        "lora_add": (
+            randn(2, 3, 8, device=device),
+            randn(4, 8, device=device),
+            randn(6, 4, device=device),
+            torch.rand(4, device=device),
+            randn(2, 3, 6, device=device),
+        ),
         "block_sparse_attention": (
             randn(1, 5, 2, 8, device=device),
             randn(1, 5, 2, 8, device=device),
@@ -580,3 +587,26 @@ def test_ops_compile_without_graph_breaks():
     args += (randn(2, 1, 16, device="cpu"), cos, sin, wq, ws)
     compiled = torch.compile(block, backend="aot_eager", fullgraph=True)
     assert torch.equal(compiled(*args), block(*args))
+
+
+def test_lora_add_is_the_low_rank_branch_added_once():
+    """fp32: the plain formula within the fp32 tolerance; bf16: one rounding of the fp32 result; a
+    zero scale (a padded or switched-off rank) adds exactly nothing; bad shapes are one error."""
+    from sdkiln.kernels.ops.lora import lora_add_reference
+
+    x, base = randn(2, 5, 16, device="cpu"), randn(2, 5, 12, device="cpu")
+    a, b, scale = (
+        randn(6, 16, device="cpu"),
+        randn(12, 6, device="cpu"),
+        torch.tensor([1.0, 1.0, 0.5, 0.5, 0.0, 0.0]),
+    )
+    want = base + ((x @ a.t()) * scale) @ b.t()
+    torch.testing.assert_close(torch.ops.sdkiln.lora_add(x, a, b, scale, base), want, **TOL[torch.float32])
+    half = [t.bfloat16() for t in (x, a, b)]
+    got = torch.ops.sdkiln.lora_add(*half, scale, base.bfloat16())
+    assert got.dtype == torch.bfloat16 and torch.equal(got, lora_add_reference(*half, scale, base.bfloat16()))
+    assert torch.equal(torch.ops.sdkiln.lora_add(x, a, b, torch.zeros(6), base), base)
+    with pytest.raises(ValueError, match=r"lora_add: need lora_a \[R, K\]"):
+        lora_add_reference(x, a[:, :8], b, scale, base)
+    with pytest.raises(ValueError, match="scale must be a float32 vector"):
+        lora_add_reference(x, a, b, scale.double(), base)

@@ -93,7 +93,7 @@ def test_every_triton_kernel_is_covered():
         "rms_norm", "layer_norm_modulate", "quantize_per_token_int8", "fp8_quantize_per_token",
         "rms_norm_quantize", "layer_norm_modulate_quantize", "gelu_tanh", "mul_add", "rope",
         "quantize_per_tensor_int8", "w8a8_linear", "w8a8_static_linear", "fp8_linear",
-        "weight_only_linear", "attention", "block_sparse_attention",
+        "weight_only_linear", "attention", "block_sparse_attention", "lora_add",
     }  # fmt: skip
     assert set(OPS) == tested
     assert set(K.op_names()) == tested  # every op has a Triton kernel
@@ -318,3 +318,18 @@ def test_flux_scale_shapes_on_gpu():
             1, 2
         ),
     )
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_lora_add(triton_on, dtype):
+    """Ranks below, at and between tl.dot's 16 (padded), rows and columns off the tiles, zero scales."""
+    g = torch.Generator().manual_seed(0)
+    for rank, rows, n, k in [(4, 5, 40, 24), (16, 70, 130, 96), (24, 33, 64, 200)]:
+        x = torch.randn(rows, k, generator=g).to(dtype).to(triton_on)
+        a = (torch.randn(rank, k, generator=g) / k**0.5).to(dtype).to(triton_on)
+        b = torch.randn(n, rank, generator=g).to(dtype).to(triton_on)
+        scale = torch.rand(rank, generator=g).to(triton_on)
+        base = torch.randn(rows, n, generator=g).to(dtype).to(triton_on)
+        close(run("lora_add", triton_on, x, a, b, scale, base), reference("lora_add", x, a, b, scale, base))
+    off = run("lora_add", triton_on, x, a, b, torch.zeros_like(scale), base)
+    assert torch.equal(off.cpu(), base.cpu())  # a zero scale adds exactly nothing

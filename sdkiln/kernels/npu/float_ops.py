@@ -203,3 +203,20 @@ def layer_norm_modulate_quantize(
     """``layer_norm_modulate`` above then ``npu_dynamic_quant``."""
     check_half("layer_norm_modulate_quantize", "activations", x.dtype)
     return quant.quantize_per_token_int8(layer_norm_modulate(x, scale, shift, eps))
+
+
+@register_kernel(
+    "lora_add",
+    "npu",
+    name=KERNEL_NAME,
+    supports=lambda x, lora_a, lora_b, scale, base: (
+        x.dtype in FLOAT_DTYPES and lora_a.dtype == lora_b.dtype == base.dtype == x.dtype
+    ),
+)
+def lora_add(x: Tensor, lora_a: Tensor, lora_b: Tensor, scale: Tensor, base: Tensor) -> Tensor:
+    """The LoRA branch as two cube-unit matmuls in the model dtype (fp32 accumulation): the shrink
+    ``x @ A^T`` scaled per rank in fp32, then ``torch.addmm(base, shrunk, B^T)``. MindIE SD runs
+    LoRA the same way, as plain matmuls beside the quantized ones; torch_npu has no fused LoRA op."""
+    k, n = x.shape[-1], base.shape[-1]
+    shrunk = (torch.matmul(x.reshape(-1, k), lora_a.t()).float() * scale).to(lora_b.dtype)
+    return torch.addmm(base.reshape(-1, n), shrunk, lora_b.t()).reshape(base.shape).contiguous()

@@ -1,6 +1,7 @@
 """The ``sdkiln`` ops, one module per op family: schema, checks, pure-torch reference, fake and
 wrapper side by side (``elementwise``, ``norm``, ``rope``, ``attention``, ``int8``, ``fp8``,
-``weight_only``, ``fused`` (norm + quantize), ``sparse_attention``). Importing this package defines every op (``sdkiln.kernels.registry``).
+``weight_only``, ``fused`` (norm + quantize), ``sparse_attention``, ``lora`` (a LoRA branch added to a
+layer's output)). Importing this package defines every op (``sdkiln.kernels.registry``).
 
 The references are the CPU implementation, the fallback on any device without a kernel that
 supports the arguments, and the oracle that every kernel is tested against. Their numerics
@@ -21,6 +22,7 @@ from sdkiln.kernels.ops import (
     fp8,
     fused,
     int8,
+    lora,
     norm,
     rope,
     sparse_attention,
@@ -33,6 +35,7 @@ __all__ = [
     "fp8",
     "fused",
     "int8",
+    "lora",
     "norm",
     "rope",
     "sparse_attention",

@@ -13,11 +13,11 @@ tested against it (``tests/kernels/test_triton_kernels.py``), on CPU under Trito
 
 Modules: ``rows`` (norms, adaLN, per-token quantization and their fused forms), ``elementwise``
 (gelu_tanh, mul_add, rope, per-tensor quantization), ``gemm`` (the quantized linears),
-``attention`` (flash attention with log-sum-exp, block-sparse attention), ``configs`` (launch and
+``attention`` (flash attention with log-sum-exp, block-sparse attention), ``lora`` (the LoRA branch), ``configs`` (launch and
 autotune configurations per GPU generation).
 """
 
-from sdkiln.kernels.triton import attention, elementwise, gemm, rows
+from sdkiln.kernels.triton import attention, elementwise, gemm, lora, rows
 from sdkiln.kernels.triton.configs import KERNEL_NAME
 
-__all__ = ["KERNEL_NAME", "attention", "elementwise", "gemm", "rows"]
+__all__ = ["KERNEL_NAME", "attention", "elementwise", "gemm", "lora", "rows"]
