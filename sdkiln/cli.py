@@ -51,6 +51,16 @@ DEGREE = bounded(int, 1, 1024)
 TIMEOUT = bounded(float, 1.0, 86_400.0)
 
 
+def LORA(text: str):
+    """``--lora FILE[:STRENGTH]`` as a ``LoraFile``; a bad one is argparse's one-line error."""
+    from sdkiln.configs.runtime import LoraFile
+
+    try:
+        return LoraFile.parse(text)
+    except SdkilnError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix(f"--lora {text}: ")) from None
+
+
 def _print_error(message: str) -> None:
     line = " ".join(str(message).split())
     if len(line) > MAX_ERROR_CHARS:
@@ -96,6 +106,7 @@ def cmd_optimize(args) -> int:
         dtype=None if args.dtype == "auto" else DTYPES[args.dtype],
         device=args.device,
         eval_batch=args.eval_batch,
+        lora=args.lora,
     )
     experts = "".join(
         f", {len(e.get('modules', {}))} in {attr}" for attr, e in result.manifest.get("experts", {}).items()
@@ -332,6 +343,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="quality-report samples generated at once (default: what the deployment's size allows)",
     )
     o.add_argument(
+        "--lora",
+        type=LORA,
+        action="append",
+        default=[],
+        metavar="FILE[:STRENGTH]",
+        help="fuse this LoRA (.safetensors, any format diffusers reads for the family) into the float "
+        "weights before calibration, at STRENGTH (default 1); repeatable. Best quality, no strength "
+        "control at run time; for that, `sdkiln run --lora`",
+    )
+    o.add_argument(
         "--format",
         choices=["package", "ascend"],
         default="package",
@@ -358,6 +379,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--image",
         default=None,
         help="conditioning image for image-to-video and image-editing families (Wan I2V, FLUX.1-Kontext)",
+    )
+    r.add_argument(
+        "--lora",
+        type=LORA,
+        action="append",
+        default=[],
+        metavar="FILE[:STRENGTH]",
+        help="run this LoRA (.safetensors) beside the package's layers at STRENGTH (default 1); repeatable, "
+        "the LoRAs mixed (pipe.load_lora_weights and set_adapters; docs/lora.md)",
     )
     r.add_argument("--height", type=SIZE, default=None)
     r.add_argument("--width", type=SIZE, default=None)

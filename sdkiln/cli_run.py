@@ -94,6 +94,11 @@ def cmd_run(args) -> int:
         pipe = load(
             args.package, device=device, digest=args.digest, compile=compile_config, parallel=parallel
         )
+        if args.lora:
+            names = [f"lora{i}" for i in range(len(args.lora))]
+            for name, lora in zip(names, args.lora, strict=True):
+                pipe.load_lora_weights(lora.path, adapter_name=name)
+            pipe.set_adapters(names, [lora.strength for lora in args.lora])
         for component, dtype in pipe.sdkiln_widened.items():
             print(f"{component}: {dtype} weights computed in float32 (this CPU has no fast {dtype} matmul)")
         if args.verbose:

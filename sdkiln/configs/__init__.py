@@ -26,7 +26,7 @@ from sdkiln.configs.quant import (
     quant_auto_schemes,
 )
 from sdkiln.configs.recipe import RECIPE_STEPS, Deployment, RecipeConfig, RecipeStep, register_step
-from sdkiln.configs.runtime import CompileConfig, ParallelConfig
+from sdkiln.configs.runtime import CompileConfig, LoraFile, ParallelConfig
 from sdkiln.configs.sparse import Sparse24Config, SparseAttentionConfig
 
 __all__ = [
@@ -34,6 +34,7 @@ __all__ = [
     "WEIGHT_ROUNDINGS",
     "CacheAutoConfig",
     "CompileConfig",
+    "LoraFile",
     "Deployment",
     "FP8DynamicConfig",
     "ParallelConfig",

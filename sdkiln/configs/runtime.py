@@ -142,3 +142,35 @@ class CompileConfig:
     @classmethod
     def from_dict(cls, data: Any) -> CompileConfig:
         return _from_dict(cls, data)
+
+
+@dataclass(frozen=True)
+class LoraFile:
+    """A LoRA file and its strength, as ``--lora FILE[:STRENGTH]`` gives them (``sdkiln run``: a
+    runtime branch, ``sdkiln optimize``: fused into the float weights before calibration)."""
+
+    path: str
+    strength: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not str(self.path).endswith(".safetensors"):
+            raise SdkilnError(f"--lora {self.path}: a LoRA is read from a .safetensors file (no pickles)")
+        if (
+            not isinstance(self.strength, int | float)
+            or self.strength != self.strength
+            or abs(self.strength) > 1e6
+        ):
+            raise SdkilnError(
+                f"--lora {self.path}: the strength must be a finite number, got {self.strength!r}"
+            )
+
+    @classmethod
+    def parse(cls, text: str) -> LoraFile:
+        """``FILE`` or ``FILE:STRENGTH`` (the strength after the last colon, when it is a number)."""
+        head, sep, tail = text.rpartition(":")
+        if sep and head:
+            try:
+                return cls(head, float(tail))
+            except ValueError:
+                pass
+        return cls(text)

@@ -18,7 +18,7 @@ import torch
 from tqdm.auto import tqdm
 
 from sdkiln import kernels
-from sdkiln.configs import Deployment, RecipeConfig
+from sdkiln.configs import Deployment, LoraFile, RecipeConfig
 from sdkiln.export import ascend, write_package
 from sdkiln.export.ascend import AscendExport
 from sdkiln.export.atomic import target_lock
@@ -26,6 +26,7 @@ from sdkiln.export.package_writer import check_replaceable
 from sdkiln.model_zoo import ModelSpec, load_model, spec_for_pipeline
 from sdkiln.model_zoo.fingerprint import fingerprint
 from sdkiln.optimizer.evaluate import default_eval_batch, measure, reference
+from sdkiln.optimizer.lora import fuse_loras
 from sdkiln.optimizer.plan import OPTIMIZE_LOG, PhaseMeter, make_plan, peak_host_bytes
 from sdkiln.optimizer.recipes import resolve_recipe
 from sdkiln.optimizer.registry import TransformContext, apply_transform, refuse_steps
@@ -140,6 +141,7 @@ def optimize(
     eval_batch: int | None = None,
     in_place: bool = False,
     progress: bool = True,
+    lora: list[LoraFile] | tuple[LoraFile, ...] = (),
 ) -> OptimizeResult:
     """Optimize ``model`` (a pipeline, a zoo name, a local diffusers directory, or None for the
     embedded model) with ``recipe`` and, if ``out_dir`` is given, write the package there.
@@ -172,6 +174,11 @@ def optimize(
     against other sdkiln writers before anything is loaded, so a wrong ``--out`` fails at once, not
     after minutes of calibration, and stays reserved until the package is written.
 
+    ``lora`` (``LoraFile``: a .safetensors file and a strength) fuses LoRAs into the float transformer
+    right after loading (``optimizer.lora``): every step and the quality report's originals see the
+    LoRA'd model, and the manifest records them (``model.fused_loras``). A pipeline object takes them
+    only with ``in_place=True``.
+
     ``format="ascend"`` also writes MindIE SD's files to ``<out_dir>-ascend`` (``export_ascend``,
     ``ascend_dtype`` its ``dtype``) and makes the package for it: the recipe is checked before any
     calibration (``sdkiln.export.ascend.ascend_recipe``) and SmoothQuant keeps input multipliers.
@@ -192,6 +199,11 @@ def optimize(
             "device moves the model, and a pipeline object optimize is given stays as it was: move it "
             "first (pipe.to(device)) or pass in_place=True"
         )
+    if lora and not (by_name or in_place):
+        raise ValueError(
+            "lora changes the model's weights: give the model by name or directory, or in_place=True"
+        )
+    lora = [LoraFile.parse(x) if isinstance(x, str) else x for x in lora]
     target = kernels.resolve_device(device) if device is not None else None
     with contextlib.ExitStack() as reserved:
         if out_dir is not None:
@@ -219,6 +231,7 @@ def optimize(
                 recipe, deployment=recipe.deployment.merged(deployment, "the optimize call")
             )
         attr, attrs = spec.transformer_attr, spec.transformer_attrs
+        fused_loras = fuse_loras(base, attr, list(lora)) if lora else []
         base_transformer = getattr(base, attr)
         run_device = next(base_transformer.parameters()).device
         # Calibration, the cache search and the quality report run the quantized model many times:
@@ -233,6 +246,7 @@ def optimize(
             "pipeline_class": _class_path(type(base)),
             "transformer_attr": attr,
             **_model_fields(base_transformer),
+            **({"fused_loras": fused_loras} if fused_loras else {}),
         }
         experts = {a: {"model": _model_fields(getattr(base, a))} for a in spec.experts}
         if by_name or in_place:

@@ -19,7 +19,8 @@ one :class:`~sdkiln.errors.SdkilnError` naming it, before anything changes.
 ``SmoothedLinear`` taken whole) gets three non-persistent buffers: ``lora_a`` [C, K], ``lora_b`` [N, C]
 in the model's dtype and ``lora_scale`` [C] in fp32, C being the layer's rank capacity; and a forward
 hook that adds ``sdkiln.lora_add(x, lora_a, lora_b, lora_scale, y)`` (``kernels.ops.lora``) to the
-layer's output ``y``, from its input ``x``: the unquantized input, in the model's dtype, on every
+layer's output ``y``, from its input ``x`` (inside the layer's diffusers hooks where it has some: Ulysses
+gathers the output projection's tokens after the branch): the unquantized input, in the model's dtype, on every
 scheme. The adapters loaded at once sit side by side along C (an adapter has the same columns on
 every layer it targets); a column's scale is its adapter's strength times alpha / r, 0 when the
 adapter is inactive or disabled, and 0 in the padding. Where SmoothQuant folded its 1/s into the
@@ -43,7 +44,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -110,6 +111,137 @@ def _branch(module: nn.Module, args: tuple, output: Tensor) -> Tensor:
     return torch.ops.sdkiln.lora_add(args[0], module.lora_a, module.lora_b, module.lora_scale, output)
 
 
+class _InnerBranch:
+    """The branch of a layer that carries diffusers hooks (sequence parallelism's gather on the output
+    projection): put inside the innermost hook, around the layer's own forward, so that it sees the
+    layer's own input and output (this rank's tokens) and the hooks act on the sum. ``remove`` puts
+    the forward back."""
+
+    def __init__(self, module: nn.Module):
+        self.ref = module._diffusers_hook._fn_refs[0]
+        self.attr = (
+            "original_forward" if getattr(self.ref, "original_forward", None) is not None else "forward"
+        )
+        self.original = original = getattr(self.ref, self.attr)
+
+        def forward(*args: Any, **kwargs: Any) -> Tensor:
+            return _branch(module, args, original(*args, **kwargs))
+
+        setattr(self.ref, self.attr, forward)
+
+    def remove(self) -> None:
+        setattr(self.ref, self.attr, self.original)
+
+
+def read_lora(
+    source: str | Path | Mapping[str, Tensor], weight_name: str | None, converter: type
+) -> dict[str, Tensor]:
+    """The LoRA's tensors, normalized by the family's diffusers converter to diffusers' keys, with
+    the alphas under ``<layer>.alpha``."""
+    if isinstance(source, Mapping):
+        state = dict(source)
+    else:
+        path = Path(source)
+        if path.is_dir():
+            if weight_name is None:
+                found = sorted(path.glob("*.safetensors"))
+                if len(found) != 1:
+                    raise SdkilnError(
+                        f"load_lora_weights: {path} holds {len(found)} .safetensors files: give weight_name"
+                    )
+                path = found[0]
+            else:
+                path = path / weight_name
+        if path.suffix != ".safetensors":
+            raise SdkilnError(f"load_lora_weights: {path}: only .safetensors files are read (no pickles)")
+        if not path.is_file():
+            raise SdkilnError(f"load_lora_weights: {path}: no such file")
+        from safetensors.torch import load_file
+
+        try:
+            state = load_file(str(path))
+        except Exception as exc:  # noqa: BLE001 - a corrupt file is one line
+            raise SdkilnError(f"load_lora_weights: {path}: not a readable safetensors file ({exc})") from None
+    if not state or not all(isinstance(k, str) and isinstance(v, Tensor) for k, v in state.items()):
+        raise SdkilnError("load_lora_weights: the LoRA must map names to tensors, and hold some")
+    try:
+        out = converter.lora_state_dict(state, return_alphas=True)
+    except TypeError:  # converters without alphas (alpha already in A and B)
+        out = converter.lora_state_dict(state)
+    except Exception as exc:  # noqa: BLE001 - diffusers' converters raise what they raise
+        raise SdkilnError(f"load_lora_weights: {converter.__name__} cannot read this LoRA: {exc}") from None
+    normalized, alphas = (out if isinstance(out, tuple) else (out, None))[:2]
+    normalized = dict(normalized)
+    for key, value in (alphas or {}).items():
+        normalized[key] = value if isinstance(value, Tensor) else torch.tensor(float(value))
+    return normalized
+
+
+def converter_for(pipeline_cls: type, transformer: nn.Module) -> type:
+    """The class whose ``lora_state_dict`` normalizes a LoRA: the pipeline's own, else by transformer
+    class (:data:`CONVERTERS`)."""
+    if hasattr(pipeline_cls, "lora_state_dict"):
+        return pipeline_cls
+    name = CONVERTERS.get(type(transformer).__name__)
+    if name is None:
+        raise SdkilnError(f"load_lora_weights: no diffusers LoRA converter for {type(transformer).__name__}")
+    import diffusers
+
+    return getattr(diffusers, name)
+
+
+def lora_layers(
+    state: dict[str, Tensor], transformer: nn.Module, is_target: Callable[[str, nn.Module], bool]
+) -> dict[str, tuple[Tensor, Tensor, float | None]]:
+    """layer -> (A, B, alpha), every key checked before anything changes."""
+    layers: dict[str, dict[str, Tensor]] = {}
+    for key, value in state.items():
+        component, _, rest = key.partition(".")
+        if component in OTHER_COMPONENTS:
+            raise SdkilnError(
+                f"load_lora_weights: {key}: LoRA layers of the {component} are not supported on a package "
+                "(the transformer's are)"
+            )
+        body = rest if component == "transformer" else key
+        for suffix, slot in ((_A, "a"), (_B, "b"), (".alpha", "alpha")):
+            if body.endswith(suffix):
+                layers.setdefault(body.removesuffix(suffix), {})[slot] = value
+                break
+        else:
+            raise SdkilnError(
+                f"load_lora_weights: {key}: not a tensor this runtime applies (lora_A, lora_B, alpha; no "
+                "LoRA bias or DoRA magnitude)"
+            )
+    out = {}
+    for layer, parts in layers.items():
+        if "a" not in parts or "b" not in parts:
+            raise SdkilnError(f"load_lora_weights: {layer}: needs both lora_A and lora_B")
+        try:
+            module = transformer.get_submodule(layer)
+        except AttributeError:
+            raise SdkilnError(f"load_lora_weights: {layer}: no such layer in the transformer") from None
+        if not is_target(layer, module):
+            raise SdkilnError(
+                f"load_lora_weights: {layer}: a {type(module).__name__}, not a linear a LoRA targets"
+            )
+        a, b = parts["a"], parts["b"]
+        k, n = _features(module)
+        if a.dim() != 2 or b.dim() != 2 or a.shape[1] != k or b.shape[0] != n or a.shape[0] != b.shape[1]:
+            raise SdkilnError(
+                f"load_lora_weights: {layer}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not fit "
+                f"the layer ({k} -> {n})"
+            )
+        if not (
+            a.is_floating_point() and b.is_floating_point() and a.isfinite().all() and b.isfinite().all()
+        ):
+            raise SdkilnError(f"load_lora_weights: {layer}: lora_A and lora_B must be finite float tensors")
+        alpha = parts.get("alpha")
+        out[layer] = (a, b, None if alpha is None else float(alpha))
+    if not out:
+        raise SdkilnError("load_lora_weights: the LoRA targets no layer of the transformer")
+    return out
+
+
 @dataclass
 class Adapter:
     """One loaded LoRA: its columns (the same on every layer it targets) and, per layer, alpha / r."""
@@ -170,8 +302,9 @@ class LoraRunner:
         for key in kwargs:
             if key not in ("weight_name", "low_cpu_mem_usage", "local_files_only"):
                 raise SdkilnError(f"load_lora_weights: unsupported argument {key!r} on a package")
-        state = self._read(pretrained_model_name_or_path_or_dict, kwargs.get("weight_name"))
-        layers = self._layers_of(state)
+        converter = converter_for(type(self.pipeline), self.transformer)
+        state = read_lora(pretrained_model_name_or_path_or_dict, kwargs.get("weight_name"), converter)
+        layers = lora_layers(state, self.transformer, self._is_target)
         rank = max(a.shape[0] for a, _, _ in layers.values())
         name = adapter_name or f"default_{len(self.adapters)}"
         old = self.adapters.get(name)
@@ -345,116 +478,6 @@ class LoraRunner:
             )
         return self.adapters[name]
 
-    def _read(self, source: str | Path | Mapping[str, Tensor], weight_name: str | None) -> dict[str, Tensor]:
-        """The LoRA's tensors, normalized by the family's diffusers converter to diffusers' keys, with
-        the alphas under ``<layer>.alpha``."""
-        if isinstance(source, Mapping):
-            state = dict(source)
-        else:
-            path = Path(source)
-            if path.is_dir():
-                if weight_name is None:
-                    found = sorted(path.glob("*.safetensors"))
-                    if len(found) != 1:
-                        raise SdkilnError(
-                            f"load_lora_weights: {path} holds {len(found)} .safetensors files: give weight_name"
-                        )
-                    path = found[0]
-                else:
-                    path = path / weight_name
-            if path.suffix != ".safetensors":
-                raise SdkilnError(f"load_lora_weights: {path}: only .safetensors files are read (no pickles)")
-            if not path.is_file():
-                raise SdkilnError(f"load_lora_weights: {path}: no such file")
-            from safetensors.torch import load_file
-
-            try:
-                state = load_file(str(path))
-            except Exception as exc:  # noqa: BLE001 - a corrupt file is one line
-                raise SdkilnError(
-                    f"load_lora_weights: {path}: not a readable safetensors file ({exc})"
-                ) from None
-        if not state or not all(isinstance(k, str) and isinstance(v, Tensor) for k, v in state.items()):
-            raise SdkilnError("load_lora_weights: the LoRA must map names to tensors, and hold some")
-        converter = self._converter()
-        try:
-            out = converter.lora_state_dict(state, return_alphas=True)
-        except TypeError:  # converters without alphas (alpha already in A and B)
-            out = converter.lora_state_dict(state)
-        except Exception as exc:  # noqa: BLE001 - diffusers' converters raise what they raise
-            raise SdkilnError(
-                f"load_lora_weights: {converter.__name__} cannot read this LoRA: {exc}"
-            ) from None
-        normalized, alphas = (out if isinstance(out, tuple) else (out, None))[:2]
-        normalized = dict(normalized)
-        for key, value in (alphas or {}).items():
-            normalized[key] = value if isinstance(value, Tensor) else torch.tensor(float(value))
-        return normalized
-
-    def _converter(self) -> type:
-        own = type(self.pipeline)
-        if hasattr(own, "lora_state_dict"):
-            return own
-        name = CONVERTERS.get(type(self.transformer).__name__)
-        if name is None:
-            raise SdkilnError(
-                f"load_lora_weights: no diffusers LoRA converter for {type(self.transformer).__name__}"
-            )
-        import diffusers
-
-        return getattr(diffusers, name)
-
-    def _layers_of(self, state: dict[str, Tensor]) -> dict[str, tuple[Tensor, Tensor, float | None]]:
-        """layer -> (A, B, alpha), every key checked before anything changes."""
-        layers: dict[str, dict[str, Tensor]] = {}
-        for key, value in state.items():
-            component, _, rest = key.partition(".")
-            if component in OTHER_COMPONENTS:
-                raise SdkilnError(
-                    f"load_lora_weights: {key}: LoRA layers of the {component} are not supported on a package "
-                    "(the transformer's are)"
-                )
-            body = rest if component == "transformer" else key
-            for suffix, slot in ((_A, "a"), (_B, "b"), (".alpha", "alpha")):
-                if body.endswith(suffix):
-                    layers.setdefault(body.removesuffix(suffix), {})[slot] = value
-                    break
-            else:
-                raise SdkilnError(
-                    f"load_lora_weights: {key}: not a tensor this runtime applies (lora_A, lora_B, alpha; no "
-                    "LoRA bias or DoRA magnitude)"
-                )
-        out = {}
-        for layer, parts in layers.items():
-            if "a" not in parts or "b" not in parts:
-                raise SdkilnError(f"load_lora_weights: {layer}: needs both lora_A and lora_B")
-            try:
-                module = self._module(layer)
-            except AttributeError:
-                raise SdkilnError(f"load_lora_weights: {layer}: no such layer in the transformer") from None
-            if not self._is_target(layer, module):
-                raise SdkilnError(
-                    f"load_lora_weights: {layer}: a {type(module).__name__}, not a linear a LoRA targets"
-                )
-            a, b = parts["a"], parts["b"]
-            k, n = _features(module)
-            if a.dim() != 2 or b.dim() != 2 or a.shape[1] != k or b.shape[0] != n or a.shape[0] != b.shape[1]:
-                raise SdkilnError(
-                    f"load_lora_weights: {layer}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not fit "
-                    f"the layer ({k} -> {n})"
-                )
-            if not (
-                a.is_floating_point() and b.is_floating_point() and a.isfinite().all() and b.isfinite().all()
-            ):
-                raise SdkilnError(
-                    f"load_lora_weights: {layer}: lora_A and lora_B must be finite float tensors"
-                )
-            alpha = parts.get("alpha")
-            out[layer] = (a, b, None if alpha is None else float(alpha))
-        if not out:
-            raise SdkilnError("load_lora_weights: the LoRA targets no layer of the transformer")
-        return out
-
     def _columns_for(self, name: str, rank: int, replacing: Adapter | None) -> int:
         """Where the adapter's columns start: its predecessor's, if it fits there, else the first free
         run that fits (the end of the used columns)."""
@@ -492,7 +515,9 @@ class LoraRunner:
                 for buffer, value in (("lora_a", a), ("lora_b", b), ("lora_scale", scale)):
                     module.register_buffer(buffer, value, persistent=False)
             if layer not in self.hooks:
-                self.hooks[layer] = module.register_forward_hook(_branch)
+                registry = getattr(module, "_diffusers_hook", None)
+                inner = registry is not None and registry._fn_refs
+                self.hooks[layer] = _InnerBranch(module) if inner else module.register_forward_hook(_branch)
         self.capacity = max(self.capacity, capacity)
 
     def _zero(self, adapter: Adapter) -> None:

@@ -174,7 +174,18 @@ def check_manifest(m: Any) -> None:
     buffers = expect_list(model.get("nonpersistent_buffers", []), f"{at}.nonpersistent_buffers")
     for i, name in enumerate(buffers):
         expect_str(name, f"{at}.nonpersistent_buffers[{i}]", max_len=1000)
-    unknown = sorted(set(model) - set(MODEL_FIELDS) - set(OPTIONAL_MODEL_FIELDS) - {"nonpersistent_buffers"})
+    for i, entry in enumerate(expect_list(model.get("fused_loras", []), f"{at}.fused_loras")):
+        where_lora = f"{at}.fused_loras[{i}]"
+        expect_dict(entry, where_lora, ("file", "sha256", "strength", "layers"))
+        expect_str(entry["file"], f"{where_lora}.file", max_len=1000)
+        expect_str(entry["sha256"], f"{where_lora}.sha256", HEX64, 64)
+        if not isinstance(entry["strength"], int | float) or not math.isfinite(entry["strength"]):
+            raise fail(f"{where_lora}.strength", "must be a finite number")
+        if not isinstance(entry["layers"], int) or entry["layers"] < 1:
+            raise fail(f"{where_lora}.layers", "must be a positive integer")
+    unknown = sorted(
+        set(model) - set(MODEL_FIELDS) - set(OPTIONAL_MODEL_FIELDS) - {"nonpersistent_buffers", "fused_loras"}
+    )
     if unknown:
         raise fail(f"{at}.{unknown[0]}", "is not a model field of schema version 1")
 

@@ -42,7 +42,10 @@ def generate(
     ``stop=("exit" | "hang", step)``: this process exits there, or stops answering for HANG_S
     seconds and then exits."""
     pipe = sdkiln.load(package, device="cpu", parallel=parallel, compile=compile)
-    kwargs = {**pipe.sdkiln_manifest["call"]["defaults"], **(call or {}), "output_type": "latent"}
+    call = dict(call or {})
+    if "_lora" in call:  # a LoRA file run as the branch (``pipe.load_lora_weights``), not a call argument
+        pipe.load_lora_weights(call.pop("_lora"))
+    kwargs = {**pipe.sdkiln_manifest["call"]["defaults"], **call, "output_type": "latent"}
     model = pipe.sdkiln_manifest["model"]
     kwargs.update(get_spec(model["family"], model.get("variant")).condition(kwargs))
 

@@ -60,7 +60,25 @@ def packages(tmp_path_factory) -> dict[str, Path]:
     with pytest.warns(UserWarning, match="no plan reached"):  # a fixed plan, whatever its quality
         sdkiln.optimize("fmnist-flux", recipe, root / "sparse", eval_samples=0)
     out["sparse"] = root / "sparse"
+    out["lora"] = _flux_tiny_lora(root / "lora.safetensors")
     return out
+
+
+def _flux_tiny_lora(path: Path) -> Path:
+    """A LoRA on flux-tiny's attention projections, its single blocks' MLP, its modulations and the
+    output projection, where Ulysses gathers the sequence."""
+    from safetensors.torch import save_file
+
+    from sdkiln.model_zoo import get_spec
+
+    g, state = torch.Generator().manual_seed(0), {}
+    for name, module in get_spec("flux-tiny").build().transformer.named_modules():
+        if name.endswith(("attn.to_q", "attn.to_out.0", "proj_mlp", "norm1.linear")) or name == "proj_out":
+            k, n = module.in_features, module.out_features
+            state[f"transformer.{name}.lora_A.weight"] = torch.randn(4, k, generator=g) / k**0.5
+            state[f"transformer.{name}.lora_B.weight"] = torch.randn(n, 4, generator=g)
+    save_file(state, path)
+    return path
 
 
 def test_two_ranks_cfg_ulysses_ring_and_split_text_match_one_device(packages):
@@ -92,6 +110,21 @@ def test_two_ranks_cfg_ulysses_ring_and_split_text_match_one_device(packages):
             (packages["guarded"], cfg, None, EXACT, CompileConfig(backend="eager", regional=True)),
             (packages["sparse"], uly, None, EXACT),  # block-sparse attention: each rank its heads' plan
             (packages["sparse"], cfg, None, EXACT),
+        ],
+    )
+
+
+def test_a_lora_runs_under_cfg_parallel_and_ulysses_as_on_one_device(packages):
+    """The branch (``runtime.lora``) on a quantized + cached package, output projection included
+    (where Ulysses gathers the sequence: the branch must run on this rank's tokens, inside the gather)."""
+    lora = {"_lora": packages["lora"]}
+    with_lora, _ = generate(packages["guarded"], None, lora)
+    assert not np.array_equal(with_lora, generate(packages["guarded"], None)[0])  # the LoRA shows
+    check(
+        2,
+        [
+            (packages["guarded"], ParallelConfig(cfg=2), lora, EXACT),
+            (packages["guarded"], ParallelConfig(ulysses=2), lora, EXACT),
         ],
     )
 
