@@ -161,6 +161,15 @@ def cmd_inspect(args) -> int:
     print(
         f"layers: {summary['layers_quantized']} quantized {summary['schemes']}, {summary['layers_float']} kept in float"
     )
+    lora = summary["lora_layers"]
+    print(
+        f"LoRA: a runtime LoRA may target {lora['quantized'] + lora['float']} layers ({lora['quantized']} quantized, "
+        f"as branches; {lora['float']} float) (docs/lora.md)"
+    )
+    for fused in summary["fused_loras"]:
+        print(
+            f"fused LoRA: {fused['file']} at strength {fused['strength']:g} on {fused['layers']} layers (sha256 {fused['sha256'][:12]}...)"
+        )
     if summary["quantized_float_bytes"]:
         print(
             f"quantized layers: {summary['quantized_bytes']:,} bytes vs {summary['quantized_float_bytes']:,} "

@@ -144,6 +144,14 @@ def model_card(pkg: Package, repo: str, license: str) -> str:
         "## What was optimized",
         "",
         f"- Quantized layers: {summary['layers_quantized']} ({schemes}); kept in float: {summary['layers_float']}.",
+        f"- LoRA: `pipe.load_lora_weights` / `sdkiln run --lora` may target {sum(summary['lora_layers'].values())} "
+        f"layers ({summary['lora_layers']['quantized']} quantized, as unmerged branches; "
+        f"{summary['lora_layers']['float']} float), with strength control.",
+        *(
+            f"- Fused LoRA: `{f['file']}` at strength {f['strength']:g} (sha256 `{f['sha256']}`), merged into the "
+            "float weights before quantization."
+            for f in summary["fused_loras"]
+        ),
     ]
     if summary["quantized_ratio"] is not None:
         lines.append(

@@ -29,13 +29,16 @@ def summarize(pkg: Package) -> dict[str, Any]:
     int8, float8 or packed int4 weight, its scales and offsets, and a static layer's activation
     parameters, ``deq_scale`` and ``quant_bias`` (and a SmoothQuant ``mul_scale``);
     ``quantized_float_bytes`` is what the same weights weigh in float32. The float bias is the same
-    in both and is not counted.
+    in both and is not counted. ``lora_layers`` counts the layers a runtime LoRA can target
+    (``sdkiln.runtime.lora``): the quantized ones (as branches) and the float linears (2-D weights);
+    ``fused_loras`` lists LoRAs ``optimize --lora`` fused into the weights.
     """
     m = pkg.manifest
     float_layers = sorted(
         {n for step in m["recipe"]["steps"] for n in step["result"].get("float", [])} - set(m["modules"])
     )
     return {
+        "fused_loras": m["model"].get("fused_loras", []),
         "sections": [s.name for s in sections_of(m)],
         "recipe": m["recipe"]["name"],
         "steps": [s["config"]["kind"] for s in m["recipe"]["steps"]],
@@ -97,8 +100,15 @@ def _transformer(pkg: Package, m: dict[str, Any]) -> dict[str, Any]:
             else {k: schedule.guards.get(k) for k in ("indicator", "quantile", "margin")}
             | {"forced_on_held_out": schedule.expected.get("guard")},
         }
+    quantized_prefixes = tuple(f"{layer}." for layer in modules)
+    float_linears = [
+        key.removesuffix(".weight")
+        for key, info in infos.items()
+        if key.endswith(".weight") and len(info.shape) == 2 and not key.startswith(quantized_prefixes)
+    ]
     return {
         "layers_quantized": len(modules),
+        "lora_layers": {"quantized": len(modules), "float": len(float_linears)},
         "schemes": schemes,
         "quantized_bytes": qbytes,
         "quantized_float_bytes": fbytes,

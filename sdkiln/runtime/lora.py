@@ -273,6 +273,8 @@ class LoraRunner:
     fused: dict[str, Tensor] = field(default_factory=dict)
     """float layer name -> its weight before ``fuse_lora`` (on the host)"""
     fused_names: set[str] = field(default_factory=set)
+    dtype: torch.dtype | None = None
+    """the model's dtype, which A and B are stored in (the package's; else each layer's float dtype)"""
 
     # ---- diffusers' calls ----
 
@@ -503,7 +505,7 @@ class LoraRunner:
             k, n = _features(module)
             old = module._buffers.get("lora_a")
             if old is None or old.shape[0] < capacity:
-                dtype = _model_dtype(module) if old is None else old.dtype
+                dtype = (self.dtype or _model_dtype(module)) if old is None else old.dtype
                 device = next(iter([*module.parameters(), *module.buffers()]), torch.empty(0)).device
                 a = torch.zeros(capacity, k, dtype=dtype, device=device)
                 b = torch.zeros(n, capacity, dtype=dtype, device=device)
@@ -544,7 +546,11 @@ class LoraRunner:
 
 def attach(pipeline: Any, transformer: nn.Module, compiled: bool, folded: dict[str, Tensor]) -> None:
     """Give ``pipeline`` its :class:`LoraRunner` (``pipeline.sdkiln_lora``) and diffusers' LoRA calls."""
-    runner = LoraRunner(pipeline, transformer, compiled, folded)
+    name = getattr(pipeline, "sdkiln_manifest", {}).get("model", {}).get("dtype")
+    dtype = getattr(torch, name, None) if isinstance(name, str) else None
+    runner = LoraRunner(
+        pipeline, transformer, compiled, folded, dtype=dtype if isinstance(dtype, torch.dtype) else None
+    )
     pipeline.sdkiln_lora = runner
     for method in METHODS:  # instance attributes, over the class's peft-based methods where it has them
         object.__setattr__(pipeline, method, getattr(runner, method))

@@ -52,7 +52,7 @@ def _images(pipe) -> np.ndarray:
     ).images
 
 
-def test_optimize_lora_fuses_what_the_runtime_branch_adds(lora_file, tmp_path):
+def test_optimize_lora_fuses_what_the_runtime_branch_adds(lora_file, tmp_path, capsys):
     fused = sdkiln.optimize(
         "flux-tiny",
         "none",
@@ -74,6 +74,17 @@ def test_optimize_lora_fuses_what_the_runtime_branch_adds(lora_file, tmp_path):
         manifest["model"]["weights_hash"]
         != json.loads((plain / "manifest.json").read_text())["model"]["weights_hash"]
     )
+    assert main(["inspect", str(fused)]) == 0
+    printed = capsys.readouterr().out
+    assert "fused LoRA: style.safetensors at strength 0.6 on" in printed
+    from sdkiln.export.summary import summarize
+    from sdkiln.runtime.package import open_package
+
+    counts = summarize(open_package(plain))["lora_layers"]
+    runner = sdkiln.load(plain, device="cpu").sdkiln_lora
+    targets = [n for n, m in runner.transformer.named_modules() if runner._is_target(n, m)]
+    assert counts == {"quantized": 0, "float": len(targets)}
+    assert f"LoRA: a runtime LoRA may target {len(targets)} layers (0 quantized" in printed
     branch = sdkiln.load(plain, device="cpu")
     branch.load_lora_weights(lora_file, adapter_name="style")
     branch.set_adapters("style", 0.6)
@@ -94,6 +105,14 @@ def test_run_lora_is_the_branch_at_the_strength(lora_file, tmp_path, capsys):
         )
         outs[len(flags)] = np.asarray(Image.open(png)).astype(int)
     pipe = sdkiln.load(package, device="cpu")
+    from sdkiln.export.summary import summarize
+    from sdkiln.runtime.package import open_package
+
+    counts = summarize(open_package(package))["lora_layers"]
+    runner = pipe.sdkiln_lora
+    targets = [n for n, m in runner.transformer.named_modules() if runner._is_target(n, m)]
+    assert counts["quantized"] == len(pipe.sdkiln_manifest["modules"]) > 0
+    assert counts["quantized"] + counts["float"] == len(targets)
     call = dict(pipe.sdkiln_manifest["call"]["defaults"]) | {"num_inference_steps": 2, "output_type": "np"}
     pipe.load_lora_weights(lora_file)
     pipe.set_adapters("default_0", 0.5)

@@ -56,6 +56,23 @@ class CaptionTable:
         return self.states[idx], self.pooled[idx]
 
 
+def flow_matching_loss(model, x0, states, pooled, generator, img_ids, txt_ids) -> torch.Tensor:
+    """The training objective: noise and a logit-normal t drawn from ``generator`` (in that order),
+    ``x_t = (1 - t) x0 + t noise``, mean squared error of the predicted velocity against ``noise - x0``."""
+    noise = torch.randn(x0.shape, generator=generator)
+    t = torch.sigmoid(torch.randn(len(x0), generator=generator))
+    x_t = (1 - t[:, None, None]) * x0 + t[:, None, None] * noise
+    pred = model(
+        hidden_states=x_t,
+        encoder_hidden_states=states,
+        pooled_projections=pooled,
+        timestep=t,
+        img_ids=img_ids,
+        txt_ids=txt_ids,
+    ).sample
+    return torch.nn.functional.mse_loss(pred, noise - x0)
+
+
 @torch.no_grad()
 def _ema_update(ema: torch.nn.Module, model: torch.nn.Module, decay: float) -> None:
     for e, p in zip(ema.parameters(), model.parameters(), strict=True):
@@ -122,18 +139,7 @@ def main(argv: list[str] | None = None) -> None:
         pos += args.batch_size
         x0 = pack(x_all[idx])
         states, pooled = captions.sample(y_all[idx], args.caption_dropout, generator)
-        noise = torch.randn(x0.shape, generator=generator)
-        t = torch.sigmoid(torch.randn(len(idx), generator=generator))
-        x_t = (1 - t[:, None, None]) * x0 + t[:, None, None] * noise
-        pred = forward(
-            hidden_states=x_t,
-            encoder_hidden_states=states,
-            pooled_projections=pooled,
-            timestep=t,
-            img_ids=img_ids,
-            txt_ids=txt_ids,
-        ).sample
-        loss = torch.nn.functional.mse_loss(pred, noise - x0)
+        loss = flow_matching_loss(forward, x0, states, pooled, generator, img_ids, txt_ids)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
