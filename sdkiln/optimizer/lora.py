@@ -11,7 +11,6 @@ dtype. The manifest records each in ``model.fused_loras`` (file name, sha256, st
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 from typing import Any
 
@@ -21,14 +20,7 @@ from torch import nn
 from sdkiln.configs.runtime import LoraFile
 from sdkiln.errors import SdkilnError
 from sdkiln.runtime.lora import converter_for, lora_layers, read_lora
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
+from sdkiln.runtime.package import sha256_file
 
 
 def fuse_loras(pipe: Any, transformer_attr: str, loras: list[LoraFile]) -> list[dict[str, Any]]:
@@ -55,7 +47,7 @@ def fuse_loras(pipe: Any, transformer_attr: str, loras: list[LoraFile]) -> list[
             records.append(
                 {
                     "file": path.name,
-                    "sha256": _sha256(path),
+                    "sha256": sha256_file(path),
                     "strength": float(lora.strength),
                     "layers": len(layers),
                 }

@@ -223,7 +223,8 @@ FOLD_STATS = "calibration/stats.safetensors"
 def _folded_smoothing(pkg: Package) -> dict[str, torch.Tensor]:
     """SmoothQuant's s of each transformer layer whose 1/s it folded into the float modulation before
     it (the recipe's ``folded`` list; s in the calibration stats): the layer's input is x / s, which
-    a LoRA branch must undo (``runtime.lora``). Read only for packages that folded something."""
+    a LoRA branch must undo (``runtime.lora``). Read when the first LoRA loads, and only from a
+    package that folded something (the stats file is verified against the manifest as it is read)."""
     folded = []
     for step in pkg.manifest["recipe"].get("steps", []):
         record = step.get("result") if isinstance(step, dict) else None
@@ -338,7 +339,9 @@ def load(
         ctx.pipeline.sdkiln_widened = widen_slow_dtypes(ctx.pipeline)
     clock.mark("device")
     _compile(ctx, compile, target)
-    lora.attach(ctx.pipeline, ctx.transformer, compiled=compile is not None, folded=_folded_smoothing(pkg))
+    lora.attach(
+        ctx.pipeline, ctx.transformer, compiled=compile is not None, folded=lambda: _folded_smoothing(pkg)
+    )
     clock.mark("compile")
     clock.watch_first_step(getattr(ctx.pipeline, ctx.transformer_attr))
     ctx.pipeline.sdkiln_cold_start = clock

@@ -262,8 +262,10 @@ class LoraRunner:
     pipeline: Any
     transformer: nn.Module
     compiled: bool
-    folded: dict[str, Tensor]
-    """layer name -> SmoothQuant's s, where 1/s is folded into the modulation before the layer"""
+    folded: dict[str, Tensor] | Callable[[], dict[str, Tensor]]
+    """layer name -> SmoothQuant's s, where 1/s is folded into the modulation before the layer; or what
+    reads them from the package, called at the first ``load_lora_weights`` (a package without a LoRA
+    never reads its calibration stats)"""
     adapters: dict[str, Adapter] = field(default_factory=dict)
     capacity: int = 0
     """the rank capacity C of every targeted layer"""
@@ -334,6 +336,9 @@ class LoraRunner:
         self._prepare(list(self.hooks) + new, need)
         if old is not None:
             self._zero(old)
+        if callable(self.folded):
+            self.folded = self.folded()
+        folded = self.folded
         adapter = Adapter(name, rank, start, {}, weight=old.weight if old else 1.0)
         with torch.no_grad():
             for layer, (a, b, alpha) in layers.items():
@@ -341,8 +346,8 @@ class LoraRunner:
                 r = a.shape[0]
                 cols = slice(start, start + r)
                 a = a.to(torch.float64)
-                if layer in self.folded:  # the layer sees x / s: A's columns times s
-                    a = a * self.folded[layer].to(torch.float64)
+                if layer in folded:  # the layer sees x / s: A's columns times s
+                    a = a * folded[layer].to(torch.float64)
                 module.lora_a[cols].copy_(a.to(module.lora_a.dtype))
                 module.lora_b[:, cols].copy_(b.to(module.lora_b.dtype))
                 adapter.layers[layer] = (alpha if alpha is not None else r) / r
@@ -544,7 +549,12 @@ class LoraRunner:
                 module.lora_scale.copy_(scale)
 
 
-def attach(pipeline: Any, transformer: nn.Module, compiled: bool, folded: dict[str, Tensor]) -> None:
+def attach(
+    pipeline: Any,
+    transformer: nn.Module,
+    compiled: bool,
+    folded: dict[str, Tensor] | Callable[[], dict[str, Tensor]],
+) -> None:
     """Give ``pipeline`` its :class:`LoraRunner` (``pipeline.sdkiln_lora``) and diffusers' LoRA calls."""
     name = getattr(pipeline, "sdkiln_manifest", {}).get("model", {}).get("dtype")
     dtype = getattr(torch, name, None) if isinstance(name, str) else None

@@ -110,3 +110,29 @@ def test_the_branch_is_stored_in_the_packages_dtype(tmp_path):
         }
     )
     assert no_bias.lora_a.dtype == torch.bfloat16
+
+
+def test_a_package_with_folded_smoothing_reads_s_when_the_first_lora_loads(tmp_path):
+    """SmoothQuant folded 1/s into flux-tiny's modulations: the package's layers see x / s. Loading
+    does not read the calibration stats; the first LoRA does, and its branch then matches the float
+    model's LoRA as closely as the package matches the float model."""
+    from sdkiln.configs import RecipeConfig, SmoothQuantConfig, W8A8DynamicConfig
+
+    recipe = RecipeConfig("sq", [SmoothQuantConfig(calib_samples=1), W8A8DynamicConfig()])
+    package = sdkiln.optimize("flux-tiny", recipe, tmp_path / "pkg", eval_samples=0, progress=False).package
+    pipe = sdkiln.load(package, device="cpu")
+    assert callable(pipe.sdkiln_lora.folded)  # not read yet
+    spec = get_spec("flux-tiny")
+    float_transformer = spec.build().transformer
+    args, kwargs = transformer_inputs(spec, pipe)
+    state = _random_lora(float_transformer, 1)
+
+    def out(model):
+        with torch.no_grad():
+            return model(*args, **{**kwargs, "return_dict": False})[0]
+
+    plain = sqnr_db(out(float_transformer), out(pipe.transformer))
+    pipe.load_lora_weights(state)
+    folded = pipe.sdkiln_lora.folded
+    assert folded and set(folded) & set(pipe.sdkiln_lora.hooks)  # the LoRA hits folded layers
+    assert sqnr_db(out(_merged(float_transformer, state)), out(pipe.transformer)) > plain - SLACK_DB
