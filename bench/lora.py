@@ -1,12 +1,15 @@
 """A trained LoRA on the embedded model: runtime branch and offline fusion against diffusers' own LoRA.
 
-The LoRA is ``tests/fixtures/fmnist_frame_lora.safetensors`` (``tools/fmnist/train_lora.py``: a white
-frame around every garment; its effect is the frame score, the mean border brightness). For each
-strength (0.5, 1.0), on the same prompts and seeds:
+The LoRA is ``tests/fixtures/fmnist_frame_lora.safetensors`` (``tools/fmnist/train_lora.py``: a frame
+around every garment as bright as the strength; its effect is the frame score, the mean border
+brightness). For each strength (0.5, 1.0), on the same prompts and seeds:
 
 * ``float + LoRA (diffusers)``: the float pipeline, the LoRA loaded by diffusers and peft
   (``transformer.load_lora_adapter``): the reference;
-* ``package + runtime LoRA``: the default-recipe package (quantized, cached), ``pipe.load_lora_weights``;
+* ``package + runtime LoRA``: the default-recipe package (quantized, cached), ``pipe.load_lora_weights``,
+  with the runtime's default cache policy (``headroom``: a safer schedule of the package's search front
+  while the LoRA is on; ``runtime.cache.headroom``), and again with the schedule kept as searched
+  (``cache kept``); each row has the block evaluations it took over an uncached run's;
 * ``package --lora``: a default-recipe package optimized with the LoRA fused (``optimize --lora``).
 
 Reported: PSNR against the reference (and the package's own PSNR against the float model without a
@@ -37,6 +40,7 @@ import sdkiln  # noqa: E402
 from sdkiln.configs import LoraFile  # noqa: E402
 from sdkiln.model_zoo import get_spec  # noqa: E402
 from sdkiln.optimizer.evaluate import generate, sample_plan  # noqa: E402
+from sdkiln.runtime.cache import cache_runner  # noqa: E402
 
 STRENGTHS = (0.5, 1.0)
 PSNR_SLACK_DB = 1.0
@@ -48,11 +52,22 @@ def _images(pipe, call, prompts, seeds) -> np.ndarray:
     return images
 
 
-def _row(name: str, images, reference, base_score: float, spec, prompts) -> dict:
+def _counted(pipe, call, prompts, seeds) -> tuple[np.ndarray, float]:
+    """The images and the block evaluations they took over an uncached run's (1.0 without a cache)."""
+    runner = cache_runner(pipe.transformer)
+    if runner is None:
+        return _images(pipe, call, prompts, seeds), 1.0
+    runner.reset_counters()
+    images = _images(pipe, call, prompts, seeds)
+    return images, runner.block_evaluations / (runner.transformer_calls * runner.num_blocks)
+
+
+def _row(name: str, images, ratio: float | None, reference, base_score: float, spec, prompts) -> dict:
     out = harness.scores(images, reference, spec, prompts)
     out.pop("psnr_per_sample", None)
     score = frame_score(images)
-    return {"variant": name, **out, "frame_score": score, "effect": score - base_score}
+    extra = {} if ratio is None else {"block_evaluations_ratio": round(ratio, 4)}
+    return {"variant": name, **out, "frame_score": score, "effect": score - base_score, **extra}
 
 
 def cache_ablation(lora: Path, work: Path, out: Path, samples: int = 20) -> dict:
@@ -131,10 +146,10 @@ def main(argv: list[str] | None = None) -> int:
     float_plain = _images(base, call, prompts, seeds)
     base_score = frame_score(float_plain)
     pkg = sdkiln.load(packages["default"], device="cpu")
-    pkg_plain = _images(pkg, call, prompts, seeds)
+    pkg_plain, pkg_ratio = _counted(pkg, call, prompts, seeds)
     rows = [
-        _row("float", float_plain, None, base_score, spec, prompts),
-        _row("package (no LoRA)", pkg_plain, float_plain, frame_score(pkg_plain), spec, prompts),
+        _row("float", float_plain, None, None, base_score, spec, prompts),
+        _row("package (no LoRA)", pkg_plain, pkg_ratio, float_plain, frame_score(pkg_plain), spec, prompts),
     ]
     no_lora_psnr = rows[1]["psnr"]
     pkg.load_lora_weights(args.lora, adapter_name="frame")
@@ -143,27 +158,37 @@ def main(argv: list[str] | None = None) -> int:
     for s in STRENGTHS:
         base.transformer.set_adapters(["frame"], [s])
         reference = _images(base, call, prompts, seeds)
-        ref_row = _row(f"float + LoRA (diffusers) @{s}", reference, None, base_score, spec, prompts)
+        ref_row = _row(f"float + LoRA (diffusers) @{s}", reference, None, None, base_score, spec, prompts)
         pkg.set_adapters("frame", s)
         branch = _row(
             f"package + runtime LoRA @{s}",
-            _images(pkg, call, prompts, seeds),
+            *_counted(pkg, call, prompts, seeds),
             reference,
             base_score,
             spec,
             prompts,
         )
+        pkg.sdkiln_lora.set_cache_policy("keep")
+        kept = _row(
+            f"package + runtime LoRA @{s}, cache kept",
+            *_counted(pkg, call, prompts, seeds),
+            reference,
+            base_score,
+            spec,
+            prompts,
+        )
+        pkg.sdkiln_lora.set_cache_policy("headroom")
         fused_pipe = sdkiln.load(packages[f"fused@{s}"], device="cpu")
         fused = _row(
             f"package --lora @{s}",
-            _images(fused_pipe, call, prompts, seeds),
+            *_counted(fused_pipe, call, prompts, seeds),
             reference,
             base_score,
             spec,
             prompts,
         )
-        rows += [ref_row, branch, fused]
-        for row in (branch, fused):
+        rows += [ref_row, branch, kept, fused]
+        for row in (branch, kept, fused):
             checks[row["variant"]] = {
                 "psnr_within_1db": row["psnr"] >= no_lora_psnr - PSNR_SLACK_DB,
                 "effect_within_10pct": abs(row["effect"] - ref_row["effect"])

@@ -398,6 +398,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="run this LoRA (.safetensors) beside the package's layers at STRENGTH (default 1); repeatable, "
         "the LoRAs mixed (pipe.load_lora_weights and set_adapters; docs/lora.md)",
     )
+    r.add_argument(
+        "--lora-cache",
+        choices=("headroom", "keep", "off"),
+        default="headroom",
+        help="the package's cache schedule under a LoRA: headroom (default) runs its search front's cheapest "
+        "schedule 3 dB safer, keep runs it as searched, off computes every step (docs/lora.md)",
+    )
     r.add_argument("--height", type=SIZE, default=None)
     r.add_argument("--width", type=SIZE, default=None)
     r.add_argument(

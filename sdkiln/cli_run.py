@@ -95,10 +95,12 @@ def cmd_run(args) -> int:
             args.package, device=device, digest=args.digest, compile=compile_config, parallel=parallel
         )
         if args.lora:
+            pipe.sdkiln_lora.set_cache_policy(args.lora_cache)
             names = [f"lora{i}" for i in range(len(args.lora))]
             for name, lora in zip(names, args.lora, strict=True):
                 pipe.load_lora_weights(lora.path, adapter_name=name)
             pipe.set_adapters(names, [lora.strength for lora in args.lora])
+            _print_lora_cache(pipe, args.lora_cache)
         for component, dtype in pipe.sdkiln_widened.items():
             print(f"{component}: {dtype} weights computed in float32 (this CPU has no fast {dtype} matmul)")
         if args.verbose:
@@ -204,3 +206,26 @@ def _generate(args, pipe, prompts: list[str], out_path: Path, parallel) -> int:
             f"{elapsed:.2f} s{where})"
         )
     return 0
+
+
+def _print_lora_cache(pipe, policy: str) -> None:
+    """One line on what the package's cache schedule does under the LoRAs (``--lora-cache``)."""
+    from sdkiln.runtime.cache import cache_runner
+
+    runner = cache_runner(pipe.transformer)
+    if runner is None:
+        return
+    ratio = runner.active.block_evaluations_ratio()
+    if runner.active is runner.schedule:
+        print(
+            f"cache: the package's schedule as searched ({ratio:.2f} of the block evaluations; --lora-cache {policy})"
+        )
+    elif policy == "off":
+        print("cache: off under the LoRA, every step computes (--lora-cache off)")
+    else:
+        up = runner.active.search["stepped_up"]
+        print(
+            f"cache: stepped up under the LoRA to {ratio:.2f} of the block evaluations from "
+            f"{up['from']['block_evaluations_ratio']:.2f} (calibration PSNR {up['from']['psnr_mean']:.1f} -> "
+            f"{up['to']['psnr_mean']:.1f} dB; --lora-cache keep runs it as searched)"
+        )

@@ -21,7 +21,8 @@ class CacheAutoConfig(RecipeStep):
     confirmations (``refine_tries`` neighbours per round) refine the cheapest one meeting the floor.
     The chosen schedule is the cheapest confirmed one whose mean PSNR against the uncached model on
     the calibration samples is at least ``psnr_floor_db`` and whose 5th percentile is at least
-    ``psnr_p5_floor_db``.
+    ``psnr_p5_floor_db``, and which meets the same floor on ``eval_samples`` held-out samples (else
+    the next safer schedule of the front is measured there, up to ``held_out_retries`` times).
     """
 
     kind: ClassVar[str] = "cache_auto"
@@ -37,6 +38,9 @@ class CacheAutoConfig(RecipeStep):
     budgets: int = 16
     refine: int = 12
     refine_tries: int = 3
+    held_out_retries: int = 2
+    """When the chosen schedule misses the floor on the held-out samples, up to this many safer schedules
+    of the confirmed front are measured there too, the first that meets it chosen."""
     guard: bool = False
     """Ship a guard (``runtime.cache.guard``): a reuse step whose stack input changed more than
     ``guard_quantile`` of the calibration samples' change at that step times ``guard_margin`` runs full."""
@@ -58,7 +62,7 @@ class CacheAutoConfig(RecipeStep):
             raise ValueError("max_reuse and min_full must be >= 1")
         if self.calib_samples < 1 or self.eval_samples < 1:
             raise ValueError("calib_samples and eval_samples must be >= 1")
-        if self.budgets < 1 or self.refine < 0 or self.refine_tries < 1:
-            raise ValueError("need budgets >= 1, refine >= 0 and refine_tries >= 1")
+        if self.budgets < 1 or self.refine < 0 or self.refine_tries < 1 or self.held_out_retries < 0:
+            raise ValueError("need budgets >= 1, refine >= 0, refine_tries >= 1 and held_out_retries >= 0")
         if not 0.0 < self.guard_quantile <= 1.0 or self.guard_margin < 1.0:
             raise ValueError("need 0 < guard_quantile <= 1 and guard_margin >= 1")

@@ -277,6 +277,9 @@ class LoraRunner:
     fused_names: set[str] = field(default_factory=set)
     dtype: torch.dtype | None = None
     """the model's dtype, which A and B are stored in (the package's; else each layer's float dtype)"""
+    cache_policy: str = "headroom"
+    cache_margin_db: float | None = None
+    """the headroom policy's margin; None: ``runtime.cache.headroom.DEFAULT_MARGIN_DB``"""
 
     # ---- diffusers' calls ----
 
@@ -404,6 +407,7 @@ class LoraRunner:
         self.hooks.clear()
         self.adapters.clear()
         self.capacity = 0
+        self._sync_cache()
         if self.hotswap_rank is not None:
             self.enable_lora_hotswap(self.hotswap_rank)
 
@@ -453,6 +457,16 @@ class LoraRunner:
         self.fused.clear()
         self.fused_names = set()
         self._apply_scales()
+
+    def set_cache_policy(self, policy: str = "headroom", margin_db: float | None = None) -> None:
+        """What a package's cache schedule does while a LoRA changes the model (sdkiln's, not
+        diffusers'): ``headroom`` steps up to a safer schedule of its search front (``margin_db``
+        safer; default 3 dB), ``keep`` keeps it, ``off`` computes every step (``runtime.cache.headroom``)."""
+        from sdkiln.runtime.cache.headroom import check_policy  # the cache hooks import diffusers' hooks
+
+        check_policy(policy, margin_db)
+        self.cache_policy, self.cache_margin_db = policy, margin_db
+        self._sync_cache()
 
     def get_active_adapters(self) -> list[str]:
         return [a.name for a in self.adapters.values() if a.active] if self.enabled else []
@@ -547,6 +561,19 @@ class LoraRunner:
                     if on and layer in a.layers:
                         scale[a.start : a.start + a.rank] = a.weight * a.layers[layer]
                 module.lora_scale.copy_(scale)
+        self._sync_cache()
+
+    def _sync_cache(self) -> None:
+        """The cache schedule for the model as it now is: changed while an adapter runs with a
+        nonzero strength or one is fused."""
+        on = [
+            a
+            for a in self.adapters.values()
+            if self.enabled and a.active and a.weight != 0 and a.name not in self.fused_names
+        ]
+        from sdkiln.runtime.cache.headroom import follow
+
+        follow(self.transformer, bool(on or self.fused), self.cache_policy, self.cache_margin_db)
 
 
 def attach(

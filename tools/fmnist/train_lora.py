@@ -1,16 +1,19 @@
-"""Train a LoRA on the embedded model that draws a white frame around every garment, and write it in
-diffusers' LoRA format (the measurement LoRA of ``bench/lora.py`` and the LoRA tests).
+"""Train a LoRA on the embedded model that draws a frame around every garment, as bright as the LoRA's
+strength, and write it in diffusers' LoRA format (the measurement LoRA of ``bench/lora.py`` and the LoRA
+tests).
 
-``python tools/fmnist/train_lora.py [--steps 300] [--rank 8] [--out tests/fixtures/fmnist_frame_lora.safetensors]``
+``python tools/fmnist/train_lora.py [--steps 400] [--rank 8] [--out tests/fixtures/fmnist_frame_lora.safetensors]``
 
 The style is one a statistic reads without a model: Fashion-MNIST images sit on a 32x32 black canvas
-with a 2-pixel border (``data.to_canvas``); the LoRA's training images have that border white. The
-frame score of an image is the mean of its border pixels in [0, 1]: the float model draws about 0,
-the model with the LoRA at strength 1 close to 1, and strength 0.5 in between. The garment inside is
-the same Fashion-MNIST image, so the class shift is small.
+with a 2-pixel border (``data.to_canvas``). The frame score of an image is the mean of its border
+pixels in [0, 1]: the float model draws about 0. The LoRA is trained as a slider: each step draws a
+strength s in [0.1, 1], runs the adapters at s, and trains on images whose border has brightness s.
+So at strength s the frame score is about s: the effect grows with the strength, and a strength
+0.5 run has an effect to measure, not a faint trace of a strength-1 style. The garment inside is the
+same Fashion-MNIST image, so the class shift is small.
 
 The shipped transformer is frozen (fp32); peft adds rank-``--rank`` adapters (alpha = rank, so the
-scale is 1) to every linear layer of the blocks and the output projection, and only they train:
+scale is the strength) to every linear layer of the blocks and the output projection, and only they train:
 rectified flow with the base model's objective, logit-normal timesteps, 10% of captions dropped to the
 empty prompt (so classifier-free guidance keeps the frame), AdamW. The adapters are written with
 diffusers' keys (``transformer.<layer>.lora_A.weight`` / ``lora_B.weight``), fp32, no alphas.
@@ -44,14 +47,24 @@ TARGETS = [
 """The blocks' linear layers (peft matches by name suffix; ``proj_out`` is also the output projection)."""
 
 
-def framed(canvas: torch.Tensor) -> torch.Tensor:
-    """``[B, 1, 32, 32]`` canvases in [-1, 1] with their border white (1)."""
+def framed(canvas: torch.Tensor, brightness: float = 1.0) -> torch.Tensor:
+    """``[B, 1, 32, 32]`` canvases in [-1, 1] with their border at ``brightness`` in [0, 1] (1: white)."""
     out = canvas.clone()
-    out[..., :BORDER, :] = 1.0
-    out[..., -BORDER:, :] = 1.0
-    out[..., :, :BORDER] = 1.0
-    out[..., :, -BORDER:] = 1.0
+    value = 2.0 * brightness - 1.0
+    out[..., :BORDER, :] = value
+    out[..., -BORDER:, :] = value
+    out[..., :, :BORDER] = value
+    out[..., :, -BORDER:] = value
     return out
+
+
+def set_strength(model: torch.nn.Module, strength: float) -> None:
+    """Every peft LoRA layer of ``model`` at ``strength`` (alpha = rank: the scale is the strength)."""
+    from peft.tuners.lora import LoraLayer
+
+    for module in model.modules():
+        if isinstance(module, LoraLayer):
+            module.scaling["default"] = strength
 
 
 def frame_score(images) -> float:
@@ -69,7 +82,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--rank", type=int, default=8)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--lr", type=float, default=2e-3)
@@ -81,7 +94,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(args.seed)
     generator = torch.Generator().manual_seed(args.seed)
     images, labels = load_split("train")
-    x_all, y_all = framed(to_canvas(images)), torch.from_numpy(labels)
+    x_all, y_all = to_canvas(images), torch.from_numpy(labels)
     captions = CaptionTable()
     model = load_transformer().requires_grad_(False)
     model.add_adapter(
@@ -98,7 +111,9 @@ def main(argv: list[str] | None = None) -> None:
     bar = tqdm(range(1, args.steps + 1), desc="lora")
     for step in bar:
         idx = torch.randint(len(x_all), (args.batch_size,), generator=generator)
-        x0 = pack(x_all[idx])
+        strength = float(torch.rand((), generator=generator)) * 0.9 + 0.1
+        set_strength(model, strength)
+        x0 = pack(framed(x_all[idx], strength))
         states, pooled = captions.sample(y_all[idx], args.caption_dropout, generator)
         loss = flow_matching_loss(model, x0, states, pooled, generator, img_ids, txt_ids)
         opt.zero_grad(set_to_none=True)
@@ -117,7 +132,7 @@ def main(argv: list[str] | None = None) -> None:
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     metadata = {
-        "sdkiln_training": json.dumps({"args": {**vars(args), "out": str(args.out)}, "history": history})
+        "sdkiln_training": json.dumps({"args": {**vars(args), "out": args.out.name}, "history": history})
     }
     save_file(state, args.out, metadata=metadata)
     print(

@@ -92,6 +92,8 @@ class CacheRunner:
         self._pipeline = weakref.ref(pipeline)
         self.transformer = transformer
         self.schedule = schedule
+        self.active = schedule
+        """The schedule runs follow: the package's, or the one ``use`` set (a LoRA's stepped-up one)."""
         self._run_schedule = schedule
         self.blocks: list[tuple[nn.Module, Any]] = []
         for layout in schedule.blocks:
@@ -156,6 +158,15 @@ class CacheRunner:
                 )
         return spans
 
+    def use(self, schedule: CacheSchedule | None) -> None:
+        """Follow ``schedule`` from the next run on (None: the package's own again). It must have the
+        package schedule's steps and blocks; a run already started keeps its schedule."""
+        schedule = self.schedule if schedule is None else schedule
+        if schedule.blocks != self.schedule.blocks or schedule.sigmas != self.schedule.sigmas:
+            raise StepError("a schedule to use must have the package schedule's steps and block layout")
+        self.spans |= self._spans(schedule)
+        self.active = schedule
+
     def reset_counters(self) -> None:
         self.block_evaluations = 0
         self.transformer_calls = 0
@@ -209,15 +220,15 @@ class CacheRunner:
         pipeline = self._pipeline()
         sigmas = getattr(getattr(pipeline, "scheduler", None), "sigmas", None)
         if sigmas is None:
-            if num_steps != self.schedule.num_steps:
+            if num_steps != self.active.num_steps:
                 raise StepError(
-                    f"the cache schedule has {self.schedule.num_steps} steps, this run {num_steps}, and its "
+                    f"the cache schedule has {self.active.num_steps} steps, this run {num_steps}, and its "
                     "scheduler has no sigmas to map the schedule by"
                 )
-            return self.schedule
+            return self.active
         run_sigmas = [float(s) for s in sigmas.detach().cpu().flatten()[:num_steps]]
         try:
-            return self.schedule.for_sigmas(run_sigmas)
+            return self.active.for_sigmas(run_sigmas)
         except ValueError as exc:
             raise StepError(f"cannot run the cache schedule on this run's {num_steps} steps: {exc}") from exc
 

@@ -266,6 +266,57 @@ class CacheSchedule:
             search=self.search | {"mapped_from_steps": self.num_steps},
         )
 
+    # --- a safer schedule from the search's front ---------------------------------------------
+
+    def stepped_up(self, margin_db: float) -> CacheSchedule | None:
+        """The cheapest schedule of the search's confirmed front (``search.front``) whose calibration
+        PSNR, mean and 5th percentile, is at least ``margin_db`` above this schedule's own point on the
+        front; the guard is kept. None when there is no front (a hand-made schedule), this schedule
+        is not on it, or no point is that far above (it is all full already). ``ValueError`` for a
+        front that is not a list of confirmed points of this schedule's length."""
+        front = self.search.get("front")
+        if not front:
+            return None
+        if not isinstance(front, list) or len(front) > 10 * MAX_STEPS:
+            raise ValueError("search.front must be a list of confirmed schedules")
+        points = []
+        for p in front:
+            ok = isinstance(p, dict) and isinstance(p.get("actions"), list)
+            numbers = [p.get(k) for k in ("block_evaluations_ratio", "psnr_mean", "psnr_p5")] if ok else []
+            if not ok or not all(type(x) in (int, float) and math.isfinite(x) for x in numbers):
+                raise ValueError("search.front: each point needs actions and finite ratio and PSNRs")
+            if len(p["actions"]) != self.num_steps or not all(isinstance(a, str) for a in p["actions"]):
+                raise ValueError(f"search.front: each point needs {self.num_steps} actions")
+            points.append((numbers, p["actions"]))
+        own_lists = {tuple(str(a) for a in acts) for acts in self.actions.values()}
+        own = [n for n, acts in points if len(own_lists) == 1 and tuple(acts) in own_lists]
+        if not own:
+            return None
+        _, mean, p5 = own[0]
+        above = [(n, acts) for n, acts in points if n[1] >= mean + margin_db and n[2] >= p5 + margin_db]
+        if not above:
+            return None
+        (ratio, up_mean, up_p5), acts = min(above, key=lambda x: x[0][0])
+        parsed = [Action.parse(a) for a in acts]
+        return CacheSchedule(
+            actions={branch: list(parsed) for branch in self.actions},
+            sigmas=self.sigmas,
+            blocks=self.blocks,
+            scheduler_class=self.scheduler_class,
+            guidance_mode=self.guidance_mode,
+            fingerprint=self.fingerprint,
+            guards=self.guards,
+            expected={},  # the front's numbers are the calibration samples', kept in `search`
+            search=self.search
+            | {
+                "stepped_up": {
+                    "margin_db": margin_db,
+                    "from": {"block_evaluations_ratio": own[0][0], "psnr_mean": mean, "psnr_p5": p5},
+                    "to": {"block_evaluations_ratio": ratio, "psnr_mean": up_mean, "psnr_p5": up_p5},
+                }
+            },
+        )
+
     # --- JSON ----------------------------------------------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:
