@@ -18,13 +18,21 @@ __all__ = [
     "Deployment",
     "CompileConfig",
     "ParallelConfig",
+    "MemoryConfig",
     "W8A8DynamicConfig",
     "__version__",
 ]
 _CONFIGS = __all__[2:-1]
 
 if TYPE_CHECKING:
-    from sdkiln.configs import CompileConfig, Deployment, ParallelConfig, RecipeConfig, W8A8DynamicConfig
+    from sdkiln.configs import (
+        CompileConfig,
+        Deployment,
+        MemoryConfig,
+        ParallelConfig,
+        RecipeConfig,
+        W8A8DynamicConfig,
+    )
     from sdkiln.optimizer import optimize
     from sdkiln.runtime import load
 

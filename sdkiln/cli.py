@@ -205,6 +205,9 @@ def cmd_inspect(args) -> int:
             f"{kind}: weights rounded by GPTQ (median calibration output error {ratio:.3f}x nearest rounding's)"
         )
     print(f"package size: {summary['package_bytes']:,} bytes")
+    from sdkiln.runtime.memory.table import table_lines
+
+    print("\n".join(table_lines(summary["memory"])))
     print("\n".join(_quality_lines(quality, "stored in the package when it was made")))
     print("on this machine (sdkiln run --device cpu):")
     print("\n".join("  " + line for line in kernel_lines("cpu")))
@@ -404,6 +407,20 @@ def build_parser() -> argparse.ArgumentParser:
         default="headroom",
         help="the package's cache schedule under a LoRA: headroom (default) runs its search front's cheapest "
         "schedule 3 dB safer, keep runs it as searched, off computes every step (docs/lora.md)",
+    )
+    r.add_argument(
+        "--memory-budget",
+        default=None,
+        metavar="BYTES",
+        help="run within this much device memory (16G, 512M): the planner keeps what fits on the device, lets "
+        "the text encoders and the VAE visit it, or streams the transformer's blocks; prints the plan; a budget "
+        "no plan fits is refused with what the smallest needs (docs/memory.md)",
+    )
+    r.add_argument(
+        "--memory-plan",
+        default=None,
+        metavar="PLAN",
+        help="force a plan: resident, encoders, encoders+vae or blocks:N (docs/memory.md)",
     )
     r.add_argument("--height", type=SIZE, default=None)
     r.add_argument("--width", type=SIZE, default=None)

@@ -77,6 +77,11 @@ def cmd_run(args) -> int:
         from sdkiln.configs.runtime import CompileConfig
 
         compile_config = CompileConfig(regional=True, cuda_graphs=args.cuda_graphs)
+    memory = None
+    if args.memory_budget is not None or args.memory_plan is not None:
+        from sdkiln.configs.runtime import MemoryConfig
+
+        memory = MemoryConfig(device_budget=args.memory_budget, plan=args.memory_plan)
     parallel = None
     if args.cfg_parallel or args.ulysses > 1 or args.ring > 1 or "WORLD_SIZE" in os.environ:
         from sdkiln.configs.runtime import ParallelConfig
@@ -92,8 +97,15 @@ def cmd_run(args) -> int:
         print("\n".join(kernel_lines(device.type)))
     try:
         pipe = load(
-            args.package, device=device, digest=args.digest, compile=compile_config, parallel=parallel
+            args.package,
+            device=device,
+            digest=args.digest,
+            compile=compile_config,
+            parallel=parallel,
+            memory=memory,
         )
+        if pipe.sdkiln_memory is not None:
+            print(pipe.sdkiln_memory.plan.describe(pipe.sdkiln_memory.sizes))
         if args.lora:
             pipe.sdkiln_lora.set_cache_policy(args.lora_cache)
             names = [f"lora{i}" for i in range(len(args.lora))]

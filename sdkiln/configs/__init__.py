@@ -4,7 +4,7 @@
   ``RecipeConfig``;
 * ``quant``: the quantization recipe steps; ``cache``: the cache recipe steps; ``sparse``: block-sparse
   attention and 2:4 weight sparsity;
-* ``runtime``: load-time settings (``ParallelConfig``, ``CompileConfig``), which are not recipe steps.
+* ``runtime``: load-time settings (``ParallelConfig``, ``CompileConfig``, ``MemoryConfig``), which are not recipe steps.
 
 Adding a technique is one config class registered with ``register_step`` in its kind's module,
 plus its transform in ``sdkiln.optimizer``.
@@ -26,7 +26,7 @@ from sdkiln.configs.quant import (
     quant_auto_schemes,
 )
 from sdkiln.configs.recipe import RECIPE_STEPS, Deployment, RecipeConfig, RecipeStep, register_step
-from sdkiln.configs.runtime import CompileConfig, LoraFile, ParallelConfig
+from sdkiln.configs.runtime import CompileConfig, LoraFile, MemoryConfig, ParallelConfig
 from sdkiln.configs.sparse import Sparse24Config, SparseAttentionConfig
 
 __all__ = [
@@ -35,6 +35,7 @@ __all__ = [
     "CacheAutoConfig",
     "CompileConfig",
     "LoraFile",
+    "MemoryConfig",
     "Deployment",
     "FP8DynamicConfig",
     "ParallelConfig",

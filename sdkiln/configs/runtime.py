@@ -174,3 +174,69 @@ class LoraFile:
             except ValueError:
                 pass
         return cls(text)
+
+
+_UNITS = {"": 1, "B": 1, "K": 2**10, "KB": 2**10, "KIB": 2**10, "M": 2**20, "MB": 2**20, "MIB": 2**20}
+_UNITS |= {"G": 2**30, "GB": 2**30, "GIB": 2**30, "T": 2**40, "TB": 2**40, "TIB": 2**40}
+
+
+def parse_bytes(text: str | int) -> int:
+    """``16G``, ``16GB``, ``16GiB`` (all 2**30), ``512M``, ``1.5G`` or a plain byte count."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        value = text
+    else:
+        s = str(text).strip().upper().replace(" ", "")
+        number = s.rstrip("KMGTIB")
+        unit = s[len(number) :]
+        try:
+            value = int(float(number) * _UNITS[unit])
+        except (KeyError, ValueError):
+            raise SdkilnError(
+                f"a memory size is a number with K, M, G or T (16G, 512M), got {text!r}"
+            ) from None
+    if value <= 0:
+        raise SdkilnError(f"a memory size must be positive, got {text!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class MemoryConfig:
+    """Run a package within ``device_budget`` bytes of device memory (``sdkiln.runtime.memory``).
+
+    A planner picks the first residency plan whose estimated peak fits, in this order: everything
+    resident; the text encoders visiting the device only while they encode; the VAE visiting too;
+    the transformer's blocks streamed from host memory in groups of ``4``, ``2``, then ``1`` blocks
+    (the next group prefetched on a side stream on CUDA). A budget no plan fits is refused with the
+    bytes the smallest plan needs. ``plan`` forces one plan by name (``resident``, ``encoders``,
+    ``encoders+vae``, ``blocks:N``), the budget then only checked against it when given."""
+
+    device_budget: int | str | None = None
+    plan: str | None = None
+    prefetch: bool = True
+    version: ClassVar[int] = 1
+
+    def __post_init__(self) -> None:
+        if self.device_budget is not None:
+            object.__setattr__(self, "device_budget", parse_bytes(self.device_budget))
+        if self.device_budget is None and self.plan is None:
+            raise SdkilnError("MemoryConfig needs a device_budget (16G) or a plan")
+        if self.plan is not None and not _plan_name_ok(self.plan):
+            raise SdkilnError(
+                f"MemoryConfig.plan is resident, encoders, encoders+vae or blocks:N (N >= 1), got {self.plan!r}"
+            )
+        if not isinstance(self.prefetch, bool):
+            raise SdkilnError("MemoryConfig.prefetch is a bool")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"version": self.version} | dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Any) -> MemoryConfig:
+        return _from_dict(cls, data)
+
+
+def _plan_name_ok(name: Any) -> bool:
+    if name in ("resident", "encoders", "encoders+vae"):
+        return True
+    head, _, n = str(name).partition(":")
+    return head == "blocks" and n.isdigit() and int(n) >= 1

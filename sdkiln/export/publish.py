@@ -166,6 +166,7 @@ def model_card(pkg: Package, repo: str, license: str) -> str:
         )
     if "sparse_attention" in summary["sections"]:
         lines.append("- Block-sparse attention: a per-layer plan (`attention/sparse_attention.json`).")
+    lines += _memory_lines(summary["memory"])
     lines += ["", "Recipe steps:", ""]
     for step in m["recipe"]["steps"]:
         config = {k: v for k, v in step["config"].items() if k not in ("kind", "version")}
@@ -273,3 +274,27 @@ def publish(
     finally:
         shutil.rmtree(staged, ignore_errors=True)
     return Published(repo=repo, hub=hub, url=url, files=files, private=private)
+
+
+def _memory_lines(table: dict[str, Any]) -> list[str]:
+    """The model card's memory table: bytes per component, and the smallest device budget of each
+    residency plan (estimates, ``docs/memory.md``)."""
+    from sdkiln.runtime.memory.plan import gib
+
+    lines = ["", "## Memory", "", "| component | on disk | in memory |", "|---|---|---|"]
+    lines += [
+        f"| {name} | {gib(c['disk_bytes'])} | {gib(c['memory_bytes'])} |"
+        for name, c in table["components"].items()
+    ]
+    lines += [
+        "",
+        "Smallest device budget of each residency plan (`sdkiln run --memory-budget`; estimated, with "
+        "10% headroom):",
+        "",
+        "| plan | estimated peak | budget from |",
+        "|---|---|---|",
+    ]
+    lines += [
+        f"| {n} | {gib(p['peak_bytes'])} | {gib(p['budget_bytes'])} |" for n, p in table["plans"].items()
+    ]
+    return lines

@@ -14,6 +14,7 @@ from sdkiln.runtime.cache.restore import schedule_file
 from sdkiln.runtime.cache.schedule import CacheSchedule
 from sdkiln.runtime.components import stored_infos
 from sdkiln.runtime.experts import expert_views
+from sdkiln.runtime.memory.table import memory_table
 from sdkiln.runtime.package import Package
 from sdkiln.runtime.restore import sections_of
 from sdkiln.runtime.safetensors_data import DTYPES
@@ -25,13 +26,14 @@ _WEIGHT_VALUES_PER_ELEMENT = {"U8": 2}
 def summarize(pkg: Package) -> dict[str, Any]:
     """Layers quantized and kept in float, and the quantized layers' bytes against fp32.
 
-    ``quantized_bytes`` counts every tensor a quantized layer stores except its float bias: the
-    int8, float8 or packed int4 weight, its scales and offsets, and a static layer's activation
-    parameters, ``deq_scale`` and ``quant_bias`` (and a SmoothQuant ``mul_scale``);
-    ``quantized_float_bytes`` is what the same weights weigh in float32. The float bias is the same
-    in both and is not counted. ``lora_layers`` counts the layers a runtime LoRA can target
-    (``sdkiln.runtime.lora``): the quantized ones (as branches) and the float linears (2-D weights);
-    ``fused_loras`` lists LoRAs ``optimize --lora`` fused into the weights.
+        ``quantized_bytes`` counts every tensor a quantized layer stores except its float bias: the
+        int8, float8 or packed int4 weight, its scales and offsets, and a static layer's activation
+        parameters, ``deq_scale`` and ``quant_bias`` (and a SmoothQuant ``mul_scale``);
+        ``quantized_float_bytes`` is what the same weights weigh in float32. The float bias is the same
+        in both and is not counted. ``lora_layers`` counts the layers a runtime LoRA can target
+        (``sdkiln.runtime.lora``): the quantized ones (as branches) and the float linears (2-D weights);
+        ``fused_loras`` lists LoRAs ``optimize --lora`` fused into the weights. ``memory`` is the package's
+    memory table (``runtime.memory.table``).
     """
     m = pkg.manifest
     float_layers = sorted(
@@ -46,6 +48,7 @@ def summarize(pkg: Package) -> dict[str, Any]:
         "layers_float": len(float_layers),
         "float_layer_names": float_layers,
         "package_bytes": sum(f["size"] for f in m["files"].values()),
+        "memory": memory_table(pkg),
         "gptq": {
             s["config"]["kind"]: s["result"]["gptq_error_ratio_median"]
             for s in m["recipe"]["steps"]

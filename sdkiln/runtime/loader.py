@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from sdkiln import kernels
-from sdkiln.configs.runtime import CompileConfig, ParallelConfig
+from sdkiln.configs.runtime import CompileConfig, MemoryConfig, ParallelConfig
 from sdkiln.errors import PackageError, ParallelError, SdkilnError, third_party
 from sdkiln.runtime import lora, restore
 from sdkiln.runtime.components import (
@@ -179,6 +179,43 @@ def _check_refusals(manifest: dict, parallel: ParallelConfig | None, compile: Co
             spec.refuse(capability)
 
 
+def _check_memory(
+    memory: MemoryConfig | None, parallel: ParallelConfig | None, compile: CompileConfig | None
+) -> None:
+    if memory is None:
+        return
+    if parallel is not None:
+        raise SdkilnError(
+            "a memory budget with parallel is not supported yet: each rank would plan alone; run one"
+        )
+    if compile is not None and compile.cuda_graphs:
+        raise SdkilnError(
+            "a memory budget with CUDA graphs is refused: a graph replays fixed device addresses, and a plan "
+            "moves weights between calls"
+        )
+
+
+def _residency(
+    ctx: restore.RestoreContext, memory: MemoryConfig, target: torch.device, compiled: bool
+) -> Any:
+    """Plan (``runtime.memory``) from the package's memory table for its deployment, and carry the
+    plan out; one log line."""
+    from sdkiln.runtime.memory import apply, plan
+    from sdkiln.runtime.memory.table import deployment_sizes
+
+    sizes, _ = deployment_sizes(ctx.package)
+    chosen = plan(sizes, memory.device_budget, memory.plan, memory.prefetch)
+    if chosen.blocks_per_group and compiled:
+        raise SdkilnError(
+            f"memory plan {chosen.name} streams the transformer's blocks, which compile does not take yet; "
+            "load without compile, or with a budget that keeps the transformer resident"
+        )
+    log.info("%s", chosen.describe(sizes))
+    residency = apply(ctx.pipeline, chosen, target, (ctx.transformer_attr, *ctx.transformers))
+    residency.sizes = sizes
+    return residency
+
+
 def _check_parallel_compile(parallel: ParallelConfig | None, compile: CompileConfig | None) -> None:
     """The parallel layouts ``compile`` is verified with, checked before any work: CFG parallel
     (its exchange runs in the outermost hook, outside the compiled region) but not yet sequence
@@ -290,6 +327,7 @@ def load(
     *,
     parallel: ParallelConfig | None = None,
     compile: CompileConfig | None = None,
+    memory: MemoryConfig | None = None,
     digest: str | None = None,
 ) -> Any:
     """Load a package into a diffusers ``DiffusionPipeline`` on ``device`` ("auto", "cpu", "cuda:0", ...).
@@ -298,7 +336,8 @@ def load(
     is used, and every manifest section must be one this sdkiln restores. Each weights file is read
     once, straight into its tensors' own storage (on an accelerator, shard by shard to the device),
     so the host holds at most the package once (one shard for an accelerator) and nothing after.
-    ``parallel`` runs it on a device mesh, ``compile`` compiles its transformer
+    ``parallel`` runs it on a device mesh, ``memory`` within a device budget (the plan as
+    ``pipe.sdkiln_memory``, ``sdkiln.runtime.memory``), ``compile`` compiles its transformer
     (``sdkiln.configs.runtime``; compiled code is cached per package digest, device and torch
     version, ``runtime.compile.cache``). The manifest is kept on the pipeline as
     ``pipe.sdkiln_manifest``, its digest as ``pipe.sdkiln_digest`` and the time each phase took as
@@ -308,6 +347,7 @@ def load(
     """
     clock = ColdStart()
     _check_parallel_compile(parallel, compile)
+    _check_memory(memory, parallel, compile)
     target = kernels.resolve_device(device)
     pkg = open_package(path, digest=digest)
     _check_refusals(pkg.manifest, parallel, compile)
@@ -320,7 +360,7 @@ def load(
         )
     clock.mark("verify")
     # straight to the accelerator, shard by shard; a mesh picks each rank's device after assembly
-    placed = target if target.type != "cpu" and parallel is None else None
+    placed = target if target.type != "cpu" and parallel is None and memory is None else None
     if placed is not None:
         kernels.load_device_kernels(target.type)
     ctx = restore.RestoreContext(pkg, build_transformer(pkg), device=placed)
@@ -333,10 +373,14 @@ def load(
     clock.mark("assemble")
     target = _parallel(ctx, parallel, target)
     kernels.load_device_kernels(target.type)
-    ctx.pipeline.to(target)
+    if memory is None:
+        ctx.pipeline.to(target)
     ctx.pipeline.sdkiln_widened = {}
     if target.type == "cpu" and compile is None:
         ctx.pipeline.sdkiln_widened = widen_slow_dtypes(ctx.pipeline)
+    ctx.pipeline.sdkiln_memory = (
+        None if memory is None else _residency(ctx, memory, target, compile is not None)
+    )
     clock.mark("device")
     _compile(ctx, compile, target)
     lora.attach(
