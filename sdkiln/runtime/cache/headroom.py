@@ -16,6 +16,7 @@ is changed:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 from torch import nn
@@ -54,13 +55,8 @@ def follow(
     package = runner.schedule
     target = package
     if changed and policy == "off":
-        target = CacheSchedule(
-            actions={b: [FULL] * package.num_steps for b in package.actions},
-            sigmas=package.sigmas,
-            blocks=package.blocks,
-            scheduler_class=package.scheduler_class,
-            guidance_mode=package.guidance_mode,
-            fingerprint=package.fingerprint,
+        target = dataclasses.replace(
+            package, actions={b: [FULL] * package.num_steps for b in package.actions}, guards={}, expected={}
         )
     elif changed and policy == "headroom":
         try:

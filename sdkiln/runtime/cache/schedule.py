@@ -23,6 +23,7 @@ schedule is mapped by sigma (``for_sigmas``).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
@@ -298,14 +299,9 @@ class CacheSchedule:
             return None
         (ratio, up_mean, up_p5), acts = min(above, key=lambda x: x[0][0])
         parsed = [Action.parse(a) for a in acts]
-        return CacheSchedule(
+        return dataclasses.replace(
+            self,
             actions={branch: list(parsed) for branch in self.actions},
-            sigmas=self.sigmas,
-            blocks=self.blocks,
-            scheduler_class=self.scheduler_class,
-            guidance_mode=self.guidance_mode,
-            fingerprint=self.fingerprint,
-            guards=self.guards,
             expected={},  # the front's numbers are the calibration samples', kept in `search`
             search=self.search
             | {
