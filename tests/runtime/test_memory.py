@@ -264,3 +264,18 @@ def test_the_memory_table_reads_what_loading_measures(packages, tmp_path, capsys
     assert "memory budgets: resident from" in out and "docs/memory.md" in out
     card = model_card(pkg, "org/flux-tiny", "apache-2.0")
     assert "## Memory" in card and "| blocks:1 |" in card
+
+
+@pytest.mark.slow
+def test_a_compiled_package_with_visiting_encoders_and_vae_equals_the_compiled_resident_run(packages):
+    """The plans that leave the transformer resident compose with compile (the fast twin: the
+    refusal of compile with streamed blocks in ``test_refusals``)."""
+    from sdkiln.configs import CompileConfig
+
+    compile = CompileConfig(regional=True)
+    resident = sdkiln.load(packages["flux-tiny"], device="cpu", compile=compile)
+    visiting = sdkiln.load(
+        packages["flux-tiny"], device="cpu", compile=compile, memory=MemoryConfig(plan="encoders+vae")
+    )
+    assert torch.equal(_run(visiting, "flux-tiny"), _run(resident, "flux-tiny"))
+    assert all(n >= 1 for n in visiting.sdkiln_memory.onloads.values())
