@@ -184,10 +184,6 @@ def _check_memory(
 ) -> None:
     if memory is None:
         return
-    if parallel is not None:
-        raise SdkilnError(
-            "a memory budget with parallel is not supported yet: each rank would plan alone; run one"
-        )
     if compile is not None and compile.cuda_graphs:
         raise SdkilnError(
             "a memory budget with CUDA graphs is refused: a graph replays fixed device addresses, and a plan "

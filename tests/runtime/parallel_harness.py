@@ -21,7 +21,7 @@ import torch
 
 import sdkiln
 from sdkiln.calibrate.steps import on_step_end
-from sdkiln.configs import ParallelConfig
+from sdkiln.configs import MemoryConfig, ParallelConfig
 from sdkiln.errors import ParallelError
 from sdkiln.metrics import sqnr_db
 from sdkiln.model_zoo import get_spec
@@ -41,8 +41,9 @@ def generate(
     """Final latents of PROMPT at SEED, and the cache guard's counters (None without a guard).
     ``stop=("exit" | "hang", step)``: this process exits there, or stops answering for HANG_S
     seconds and then exits."""
-    pipe = sdkiln.load(package, device="cpu", parallel=parallel, compile=compile)
     call = dict(call or {})
+    memory = MemoryConfig(plan=call.pop("_memory")) if "_memory" in call else None  # a residency plan
+    pipe = sdkiln.load(package, device="cpu", parallel=parallel, compile=compile, memory=memory)
     if "_lora" in call:  # a LoRA file run as the branch (``pipe.load_lora_weights``), not a call argument
         pipe.load_lora_weights(call.pop("_lora"))
     kwargs = {**pipe.sdkiln_manifest["call"]["defaults"], **call, "output_type": "latent"}

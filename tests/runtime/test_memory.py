@@ -183,7 +183,7 @@ def test_a_budget_picks_and_prints_the_plan_and_a_lora_runs_on_streamed_blocks(p
 
 
 def test_refusals(packages):
-    from sdkiln.configs import CompileConfig, ParallelConfig
+    from sdkiln.configs import CompileConfig
 
     with pytest.raises(SdkilnError, match="no memory plan fits a 0.0 MiB|no memory plan fits"):
         sdkiln.load(packages["flux-tiny"], device="cpu", memory=MemoryConfig(device_budget=1024))
@@ -195,13 +195,6 @@ def test_refusals(packages):
     with pytest.raises(SdkilnError, match="compile does not take yet"):
         sdkiln.load(
             packages["flux-tiny"], device="cpu", memory=MemoryConfig(plan="blocks:2"), compile=CompileConfig()
-        )
-    with pytest.raises(SdkilnError, match="parallel is not supported yet"):
-        sdkiln.load(
-            packages["flux-tiny"],
-            device="cpu",
-            memory=MemoryConfig(plan="encoders"),
-            parallel=ParallelConfig(),
         )
 
 

@@ -129,6 +129,26 @@ def test_a_lora_runs_under_cfg_parallel_and_ulysses_as_on_one_device(packages):
     )
 
 
+def test_residency_plans_run_under_cfg_parallel_and_ulysses_as_in_one_process(packages):
+    """Memory plans (``runtime.memory``) on each rank: the text encoders and the VAE visiting and the
+    blocks streamed, on a quantized + cached package with a LoRA, as one process with the same plan
+    (which equals the resident run: ``test_memory.py``, and here)."""
+    streamed, _ = generate(packages["guarded"], None, {"_memory": "blocks:1"})
+    assert np.array_equal(streamed, generate(packages["guarded"], None)[0])
+    check(
+        2,
+        [
+            (
+                packages["guarded"],
+                ParallelConfig(cfg=2),
+                {"_memory": "blocks:2", "_lora": packages["lora"]},
+                EXACT,
+            ),
+            (packages["guarded"], ParallelConfig(ulysses=2), {"_memory": "blocks:1"}, EXACT),
+        ],
+    )
+
+
 def test_four_ranks_compose_cfg_with_ulysses_and_ulysses_with_ring(packages):
     check(
         4,
