@@ -422,6 +422,12 @@ class LoraRunner:
         ``lora_scale``; refused where they target a quantized layer (module docstring)."""
         if self.fused:
             raise SdkilnError("fuse_lora: a LoRA is already fused; call unfuse_lora first")
+        memory = getattr(self.pipeline, "sdkiln_memory", None)
+        if memory is not None and memory.plan.blocks_per_group:
+            raise SdkilnError(
+                f"fuse_lora: the transformer's blocks stream from host copies (memory plan {memory.plan.name}), "
+                "which a fused weight would not reach; keep the LoRA as a branch (set_adapters sets its strength)"
+            )
         names = (
             [a.name for a in self.adapters.values() if a.active]
             if adapter_names is None

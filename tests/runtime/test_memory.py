@@ -180,6 +180,8 @@ def test_a_budget_picks_and_prints_the_plan_and_a_lora_runs_on_streamed_blocks(p
     pipe.load_lora_weights(dict(lora), adapter_name="x")
     streamed.load_lora_weights(dict(lora), adapter_name="x")
     assert torch.equal(_run(streamed, "flux-tiny"), _run(pipe, "flux-tiny"))
+    with pytest.raises(SdkilnError, match="stream from host copies"):
+        streamed.fuse_lora()
 
 
 def test_refusals(packages):
