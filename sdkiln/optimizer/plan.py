@@ -31,6 +31,8 @@ from tqdm.auto import tqdm
 from sdkiln.configs import RecipeStep
 from sdkiln.optimizer.quant.gptq import FLOAT64_MAX_K
 from sdkiln.optimizer.registry import TransformContext
+from sdkiln.runtime.memory.sizes import module_bytes
+from sdkiln.runtime.memory.sizes import tokens as call_tokens
 
 OPTIMIZE_LOG = "report/optimize.json"
 """The package file with the run's plan and what each phase measured."""
@@ -102,15 +104,6 @@ def step_phases(ctx: TransformContext, config: RecipeStep) -> list[Phase]:
     return phases
 
 
-def module_bytes(module: torch.nn.Module) -> int:
-    seen, total = set(), 0
-    for t in [*module.parameters(), *module.buffers()]:
-        if t.data_ptr() not in seen:
-            seen.add(t.data_ptr())
-            total += t.numel() * t.element_size()
-    return total
-
-
 def pipeline_bytes(pipeline) -> int:
     """The bytes of every tensor of every torch component of ``pipeline``."""
     return sum(module_bytes(c) for c in pipeline.components.values() if isinstance(c, torch.nn.Module))
@@ -130,12 +123,8 @@ def working_bytes(
     transformer = ctx.transformer
     dtype_size = next(transformer.parameters()).element_size()
     width = max((k for _, k in _linear_shapes(transformer)), default=0)
-    size = ctx.spec.size_step
     frames = int(call.get("num_frames") or 1)
-    tokens = (int(call.get("height", size)) // size) * (int(call.get("width", size)) // size)
-    tokens = tokens * ((frames - 1) // (ctx.spec.frame_step or 1) + 1) + int(
-        call.get("max_sequence_length") or 0
-    )
+    tokens = call_tokens(ctx.spec, call)
     # one call at the largest batch a phase runs (the report's, times 2 for batched CFG), the widest
     # layer's input and output, about 8 such tensors alive
     rows = 2 * (min(eval_batch, eval_samples) if eval_samples else 1)

@@ -207,9 +207,7 @@ def _residency(
             "load without compile, or with a budget that keeps the transformer resident"
         )
     log.info("%s", chosen.describe(sizes))
-    residency = apply(ctx.pipeline, chosen, target, (ctx.transformer_attr, *ctx.transformers))
-    residency.sizes = sizes
-    return residency
+    return apply(ctx.pipeline, chosen, target, (ctx.transformer_attr, *ctx.transformers), sizes)
 
 
 def _check_parallel_compile(parallel: ParallelConfig | None, compile: CompileConfig | None) -> None:

@@ -12,6 +12,9 @@ Comparisons (STYLE habit 12):
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -22,6 +25,9 @@ from sdkiln.errors import SdkilnError
 from sdkiln.runtime.lora import LoraRunner
 from sdkiln.runtime.quant import Ranges, scheme_classes
 from sdkiln.runtime.quant.smooth import SmoothedLinear
+
+sys.path.insert(0, str(Path(__file__).parent))
+from lora_helpers import tiny_call  # noqa: E402  (tests/runtime/lora_helpers.py)
 
 BRANCH_TOL = dict(rtol=1e-4, atol=1e-4)
 """fp32 sums of values of order 1-10: the branch added to q(x) and to f(x) rounds differently."""
@@ -169,18 +175,6 @@ def package(tmp_path_factory):
     return sdkiln.optimize("flux-tiny", "w8a8-dynamic", out, eval_samples=0, progress=False).package
 
 
-def _call(pipe) -> dict:
-    return dict(
-        prompt="a cat",
-        num_inference_steps=2,
-        height=32,
-        width=32,
-        max_sequence_length=16,
-        output_type="np",
-        generator=torch.Generator().manual_seed(0),
-    )
-
-
 def _package_lora(pipe, rank: int, seed: int) -> dict:
     """A LoRA on every attention projection of every block, quantized or float, plus the float
     modulation of the first block."""
@@ -194,7 +188,7 @@ def _package_lora(pipe, rank: int, seed: int) -> dict:
 
 def test_strengths_mixing_and_switching_off_return_the_package_bit_for_bit(package):
     pipe = sdkiln.load(package, device="cpu")
-    base = pipe(**_call(pipe)).images
+    base = pipe(**tiny_call()).images
     one, two = _package_lora(pipe, 4, 0), _package_lora(pipe, 8, 100)
     kinds = {
         type(pipe.transformer.get_submodule(k.split(".lora_")[0].removeprefix("transformer."))).__name__
@@ -204,44 +198,44 @@ def test_strengths_mixing_and_switching_off_return_the_package_bit_for_bit(packa
     pipe.load_lora_weights(one, adapter_name="one")
     pipe.load_lora_weights(two, adapter_name="two")
     assert pipe.get_list_adapters() == {"transformer": ["one", "two"]}
-    mixed = pipe(**_call(pipe)).images
+    mixed = pipe(**tiny_call()).images
     assert not torch.equal(torch.from_numpy(mixed), torch.from_numpy(base))
     pipe.set_adapters(["one", "two"], [0.0, 0.0])
-    assert torch.equal(torch.from_numpy(pipe(**_call(pipe)).images), torch.from_numpy(base))
+    assert torch.equal(torch.from_numpy(pipe(**tiny_call()).images), torch.from_numpy(base))
     pipe.set_adapters(["one", "two"], [1.0, 1.0])
-    assert torch.equal(torch.from_numpy(pipe(**_call(pipe)).images), torch.from_numpy(mixed))
+    assert torch.equal(torch.from_numpy(pipe(**tiny_call()).images), torch.from_numpy(mixed))
     pipe.disable_lora()
     assert pipe.get_active_adapters() == []
-    assert torch.equal(torch.from_numpy(pipe(**_call(pipe)).images), torch.from_numpy(base))
+    assert torch.equal(torch.from_numpy(pipe(**tiny_call()).images), torch.from_numpy(base))
     pipe.enable_lora()
-    assert torch.equal(torch.from_numpy(pipe(**_call(pipe)).images), torch.from_numpy(mixed))
+    assert torch.equal(torch.from_numpy(pipe(**tiny_call()).images), torch.from_numpy(mixed))
     pipe.set_adapters("two", 0.5)
-    only_two = pipe(**_call(pipe)).images
+    only_two = pipe(**tiny_call()).images
     pipe.delete_adapters("one")
-    assert torch.equal(torch.from_numpy(pipe(**_call(pipe)).images), torch.from_numpy(only_two))
+    assert torch.equal(torch.from_numpy(pipe(**tiny_call()).images), torch.from_numpy(only_two))
     pipe.unload_lora_weights()
-    assert torch.equal(torch.from_numpy(pipe(**_call(pipe)).images), torch.from_numpy(base))
+    assert torch.equal(torch.from_numpy(pipe(**tiny_call()).images), torch.from_numpy(base))
     assert not [n for n, _ in pipe.transformer.named_buffers() if "lora_" in n]
 
 
 def test_fuse_is_refused_on_quantized_layers_and_exact_on_float_ones(package):
     pipe = sdkiln.load(package, device="cpu")
-    base = pipe(**_call(pipe)).images
+    base = pipe(**tiny_call()).images
     pipe.load_lora_weights(_package_lora(pipe, 4, 0))
     with pytest.raises(SdkilnError, match="fuse_lora: .* quantized .*sdkiln optimize --lora"):
         pipe.fuse_lora()
     pipe.unload_lora_weights()
     floats = {k: v for k, v in _package_lora(pipe, 4, 0).items() if "norm1.linear" in k}
     pipe.load_lora_weights(floats, adapter_name="mod")
-    branched = pipe(**_call(pipe)).images
+    branched = pipe(**tiny_call()).images
     pipe.fuse_lora()
-    fused = pipe(**_call(pipe)).images
+    fused = pipe(**tiny_call()).images
     assert abs(fused - branched).max() < 1e-4 and not torch.equal(
         torch.from_numpy(fused), torch.from_numpy(base)
     )
     pipe.unfuse_lora()
     pipe.unload_lora_weights()
-    assert torch.equal(torch.from_numpy(pipe(**_call(pipe)).images), torch.from_numpy(base))
+    assert torch.equal(torch.from_numpy(pipe(**tiny_call()).images), torch.from_numpy(base))
 
 
 def test_hot_swap_under_compile_does_not_recompile(package):
@@ -253,19 +247,19 @@ def test_hot_swap_under_compile_does_not_recompile(package):
 
     eager = sdkiln.load(package, device="cpu")
     eager.load_lora_weights(_package_lora(eager, 8, 1))
-    want = eager(**_call(eager)).images
+    want = eager(**tiny_call()).images
     torch._dynamo.reset()
     pipe = sdkiln.load(package, device="cpu", compile=CompileConfig(regional=True))
     pipe.enable_lora_hotswap(target_rank=8)
     pipe.load_lora_weights(_package_lora(pipe, 4, 0), adapter_name="style")
-    pipe(**_call(pipe))  # compiles, LoRA included
+    pipe(**tiny_call())  # compiles, LoRA included
     pipe.load_lora_weights(_package_lora(pipe, 8, 1), adapter_name="style", hotswap=True)
     with torch._dynamo.config.patch(error_on_recompile=True):
-        swapped = pipe(**_call(pipe)).images
+        swapped = pipe(**tiny_call()).images
         pipe.set_adapters("style", 0.3)
-        pipe(**_call(pipe))
+        pipe(**tiny_call())
         pipe.disable_lora()
-        pipe(**_call(pipe))
+        pipe(**tiny_call())
     assert abs(swapped - want).max() < 2e-3  # Inductor's fp32 rounding against eager's
     with pytest.raises(SdkilnError, match="rank 16; .* above enable_lora_hotswap's target_rank 8") as caught:
         pipe.load_lora_weights(_package_lora(pipe, 16, 2), adapter_name="big")

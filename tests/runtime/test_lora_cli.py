@@ -6,6 +6,8 @@ fused LoRA and the branch compute the same model: ``FP32_TOL`` on the images."""
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,6 +19,9 @@ import sdkiln
 from sdkiln.cli import main
 from sdkiln.configs import LoraFile
 from sdkiln.errors import SdkilnError
+
+sys.path.insert(0, str(Path(__file__).parent))
+from lora_helpers import tiny_images  # noqa: E402  (tests/runtime/lora_helpers.py)
 
 FP32_TOL = 1e-5
 PNG_TOL = 1  # 8-bit pixels: one step of rounding
@@ -38,18 +43,6 @@ def lora_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("lora") / "style.safetensors"
     save_file(state, path)
     return path
-
-
-def _images(pipe) -> np.ndarray:
-    return pipe(
-        prompt="a cat",
-        num_inference_steps=2,
-        height=32,
-        width=32,
-        max_sequence_length=16,
-        output_type="np",
-        generator=torch.Generator().manual_seed(0),
-    ).images
 
 
 def test_optimize_lora_fuses_what_the_runtime_branch_adds(lora_file, tmp_path, capsys):
@@ -89,7 +82,7 @@ def test_optimize_lora_fuses_what_the_runtime_branch_adds(lora_file, tmp_path, c
     branch.load_lora_weights(lora_file, adapter_name="style")
     branch.set_adapters("style", 0.6)
     np.testing.assert_allclose(
-        _images(sdkiln.load(fused, device="cpu")), _images(branch), atol=FP32_TOL, rtol=0
+        tiny_images(sdkiln.load(fused, device="cpu")), tiny_images(branch), atol=FP32_TOL, rtol=0
     )
 
 

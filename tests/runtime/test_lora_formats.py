@@ -9,12 +9,18 @@ it changes in the float pipeline's, within ``EFFECT_TOL`` (relative L2)."""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
 
 import sdkiln
 from sdkiln.model_zoo import get_spec
+
+sys.path.insert(0, str(Path(__file__).parent))
+from lora_helpers import tiny_images  # noqa: E402  (tests/runtime/lora_helpers.py)
 
 pytest.importorskip("peft")  # the test extra installs it: diffusers' own LoRA loading is the oracle
 
@@ -36,18 +42,6 @@ def _float_pipe():
     pipe = get_spec("flux-tiny").build()
     pipe.set_progress_bar_config(disable=True)
     return pipe
-
-
-def _generate(pipe) -> np.ndarray:
-    return pipe(
-        prompt="a cat",
-        num_inference_steps=2,
-        height=32,
-        width=32,
-        max_sequence_length=16,
-        output_type="np",
-        generator=torch.Generator().manual_seed(0),
-    ).images
 
 
 def _pair(g, down: tuple[int, int], up: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,19 +105,19 @@ def test_a_lora_file_matches_diffusers_own_loading(packages, fmt, tmp_path):
             k.replace("lora_A.weight", "alpha"): torch.tensor(ALPHA) for k in list(state) if "lora_A" in k
         }
     save_file({k: v.contiguous() for k, v in state.items()}, tmp_path / "lora.safetensors")
-    plain = _generate(reference)
+    plain = tiny_images(reference)
     reference.load_lora_weights(str(tmp_path / "lora.safetensors"), adapter_name="x")
-    want = _generate(reference)
+    want = tiny_images(reference)
     assert np.abs(want - plain).max() > 0.02  # the LoRA visibly changes the image
 
     ours = sdkiln.load(packages["none"], device="cpu")
     ours.load_lora_weights(tmp_path / "lora.safetensors", adapter_name="x")
-    np.testing.assert_allclose(_generate(ours), want, atol=FP32_TOL, rtol=0)
+    np.testing.assert_allclose(tiny_images(ours), want, atol=FP32_TOL, rtol=0)
 
     quantized = sdkiln.load(packages["w8a8-dynamic"], device="cpu")
-    before = _generate(quantized)
+    before = tiny_images(quantized)
     quantized.load_lora_weights(tmp_path / "lora.safetensors", adapter_name="x")
-    effect, float_effect = _generate(quantized) - before, want - plain
+    effect, float_effect = tiny_images(quantized) - before, want - plain
     assert np.linalg.norm(effect - float_effect) < EFFECT_TOL * np.linalg.norm(float_effect)
 
 
@@ -132,8 +126,8 @@ def test_the_strength_is_diffusers_adapter_weight(packages, tmp_path):
     state = diffusers_lora(reference.transformer)
     reference.load_lora_weights(dict(state), adapter_name="x")
     reference.set_adapters("x", 0.4)
-    want = _generate(reference)
+    want = tiny_images(reference)
     ours = sdkiln.load(packages["none"], device="cpu")
     ours.load_lora_weights(dict(state), adapter_name="x")
     ours.set_adapters("x", 0.4)
-    np.testing.assert_allclose(_generate(ours), want, atol=FP32_TOL, rtol=0)
+    np.testing.assert_allclose(tiny_images(ours), want, atol=FP32_TOL, rtol=0)

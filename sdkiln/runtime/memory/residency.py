@@ -104,10 +104,12 @@ class Residency:
         return out
 
 
-def apply(pipeline: Any, plan: Plan, device: torch.device, transformer_attrs: tuple[str, ...]) -> Residency:
+def apply(
+    pipeline: Any, plan: Plan, device: torch.device, transformer_attrs: tuple[str, ...], sizes: Any = None
+) -> Residency:
     """Put ``pipeline`` (on the host) under ``plan`` on ``device``: units made and offloaded, hooks
     attached, the rest moved to the device."""
-    res = Residency(plan)
+    res = Residency(plan, sizes=sizes)
     for name in plan.visiting:
         component = getattr(pipeline, name)
         unit = Unit(name, [component], device)
