@@ -2,7 +2,9 @@
 
 What is checked: the JSON is standard and names the device and the thread count; the world-size-1
 overhead is the ratio of the medians of the rounds it records (two, alternating which run goes
-first), and the hook alone costs something per call; the layout's figures come from a run of both ranks, which raised nothing.
+first), and the hook's cost per call is the difference of two positive timings (its sign is not
+asserted: at world size 1 it is within the timer's noise, and a timed assertion fails on a busy
+machine); the layout's figures come from a run of both ranks, which raised nothing.
 """
 
 import importlib.util
@@ -30,7 +32,7 @@ def test_parallel_bench_reports_the_world_one_overhead_and_a_two_rank_layout(tmp
     assert len(plain) == len(world1) == 2 and min(plain + world1) > 0
     assert row["world1_overhead"] == pytest.approx(statistics.median(world1) / statistics.median(plain) - 1)
     hook = report["hook_us_per_call"]
-    assert 0 < hook["bare"] < hook["hooked"] and hook["overhead"] == hook["hooked"] - hook["bare"]
+    assert min(hook["bare"], hook["hooked"]) > 0 and hook["overhead"] == hook["hooked"] - hook["bare"]
     layout = row["layouts"]["ulysses2"]
     assert "error" not in layout, layout
     assert layout["speedup"] == pytest.approx(row["plain_ms_per_step"] / layout["ms_per_step"])
