@@ -161,6 +161,11 @@ def cmd_inspect(args) -> int:
     print(
         f"layers: {summary['layers_quantized']} quantized {summary['schemes']}, {summary['layers_float']} kept in float"
     )
+    for name, te in summary["text_encoders"].items():
+        layers = ", ".join(f"{n} layers {scheme}" for scheme, n in te["schemes"].items()) or "float"
+        sqnr = te["sqnr_db"]
+        gate = f"{sqnr:.1f} dB" if isinstance(sqnr, float) else str(sqnr)
+        print(f"text encoder {name}: {layers} (conditioning SQNR {gate}; {te['decision']})")
     lora = summary["lora_layers"]
     print(
         f"LoRA: a runtime LoRA may target {lora['quantized'] + lora['float']} layers ({lora['quantized']} quantized, "

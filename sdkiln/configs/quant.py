@@ -252,3 +252,55 @@ class QuantAutoConfig(QuantStep):
         if not math.isfinite(self.sqnr_floor_db):
             raise ValueError("sqnr_floor_db must be finite")
         _check_samples(self)
+
+
+TEXT_ENCODER_SCHEMES = ("w8a16", "w4a16", "w8a8_dynamic", "fp8_dynamic")
+"""The schemes a text encoder's Linears can take: those built from the weight alone (no activation
+ranges to calibrate, no denoising step to follow)."""
+
+
+@register_step
+@dataclass
+class TextEncoderQuantConfig(RecipeStep):
+    """Quantize the pipeline's text encoders: every ``nn.Linear`` of each, but the fnmatch patterns in
+    ``exclude``, takes ``scheme`` with that scheme's default parameters (W4A16: groups of 128), built
+    by the same runtime classes and run by the same kernels as the transformer's layers.
+
+    A quality gate decides per encoder: its outputs on ``calib_samples`` calibration prompts (the
+    tensors of what it returns, every one the pipeline could read) are computed with the scheme and
+    in float, and the encoder is quantized only if the lowest output SQNR reaches ``sqnr_floor_db``
+    (None: the family's ``ModelSpec.text_encoder_floor_db``); below it the encoder stays in float and
+    the step warns and records why. ``encoders`` names the components to take (default: every
+    ``text_encoder*`` the pipeline has).
+    """
+
+    kind: ClassVar[str] = "text_encoder_quant"
+    order: ClassVar[int] = 5
+    """First: every later step calibrates, searches and measures with the encoders as deployed."""
+    per_transformer: ClassVar[bool] = False
+    transform_module: ClassVar[str] = "sdkiln.optimizer.quant.encoders"
+    scheme: str = "w8a16"
+    encoders: tuple[str, ...] = ()
+    exclude: tuple[str, ...] = ()
+    calib_samples: int = 4
+    sqnr_floor_db: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.scheme not in TEXT_ENCODER_SCHEMES:
+            raise ValueError(
+                f"scheme must be one of {', '.join(TEXT_ENCODER_SCHEMES)} (the schemes built from the "
+                f"weight alone), got {self.scheme!r}"
+            )
+        self.exclude = _patterns(self.exclude)
+        if isinstance(self.encoders, str) or not all(
+            isinstance(n, str) and n.startswith("text_encoder") for n in self.encoders
+        ):
+            raise ValueError("encoders must be a list of component names (text_encoder, text_encoder_2, ...)")
+        self.encoders = tuple(self.encoders)
+        _check_samples(self)
+        if self.sqnr_floor_db is not None:
+            if isinstance(self.sqnr_floor_db, bool) or not isinstance(self.sqnr_floor_db, int | float):
+                raise ValueError(f"sqnr_floor_db must be a number of dB or null, got {self.sqnr_floor_db!r}")
+            self.sqnr_floor_db = float(self.sqnr_floor_db)
+            if not math.isfinite(self.sqnr_floor_db):
+                raise ValueError("sqnr_floor_db must be finite (or null: the family's floor)")

@@ -49,6 +49,9 @@ class RecipeStep:
     """A weight-quantization step. Two of them in one recipe must split the layers with ``exclude``
     (a later step quantizes only the Linears an earlier one left), so recipe names, which carry no
     ``exclude``, combine at most one."""
+    per_transformer: ClassVar[bool] = True
+    """The step runs on each of the pipeline's transformers in turn (Wan2.2-A14B's two); False for a
+    step that changes other components (the text encoders), which runs once."""
 
     def __new__(cls, *args: Any, **kwargs: Any):
         moved = sorted(set(kwargs) & set(_LEGACY_STEP_COUNTS))

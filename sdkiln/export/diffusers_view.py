@@ -67,6 +67,14 @@ def _check_package(manifest: dict[str, Any]) -> dict[str, int]:
         raise SdkilnError(
             "the diffusers view cannot carry block-sparse attention: export a package without it"
         )
+    encoders = manifest.get("text_encoders") or {}
+    if encoders:
+        name = next(iter(encoders))
+        raise SdkilnError(
+            f"the diffusers view copies the text encoders as plain transformers models, and this package "
+            f"quantized {name} ({len(encoders[name]['modules'])} layers); make the package with a recipe "
+            "without a te-* step (e.g. quant-auto+cache-auto) to export it"
+        )
     representable = sorted(s for s, cls in scheme_classes().items() if cls.torchao_config)
     schemes: dict[str, int] = {}
     for name, info in manifest["modules"].items():

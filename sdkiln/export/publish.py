@@ -144,6 +144,12 @@ def model_card(pkg: Package, repo: str, license: str) -> str:
         "## What was optimized",
         "",
         f"- Quantized layers: {summary['layers_quantized']} ({schemes}); kept in float: {summary['layers_float']}.",
+        *(
+            f"- Text encoder `{name}`: "
+            + (", ".join(f"{n} layers {sc}" for sc, n in te["schemes"].items()) or "float")
+            + f" ({te['decision']})."
+            for name, te in summary["text_encoders"].items()
+        ),
         f"- LoRA: `pipe.load_lora_weights` / `sdkiln run --lora` may target {sum(summary['lora_layers'].values())} "
         f"layers ({summary['lora_layers']['quantized']} quantized, as unmerged branches; "
         f"{summary['lora_layers']['float']} float), with strength control.",

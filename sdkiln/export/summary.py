@@ -32,7 +32,9 @@ def summarize(pkg: Package) -> dict[str, Any]:
         ``quantized_float_bytes`` is what the same weights weigh in float32. The float bias is the same
         in both and is not counted. ``lora_layers`` counts the layers a runtime LoRA can target
         (``sdkiln.runtime.lora``): the quantized ones (as branches) and the float linears (2-D weights);
-        ``fused_loras`` lists LoRAs ``optimize --lora`` fused into the weights. ``memory`` is the package's
+        ``fused_loras`` lists LoRAs ``optimize --lora`` fused into the weights. ``text_encoders`` has, per
+        text encoder the text-encoder step took, its quantized layers by scheme, the SQNR its gate read
+        and its decision. ``memory`` is the package's
     memory table (``runtime.memory.table``).
     """
     m = pkg.manifest
@@ -45,6 +47,7 @@ def summarize(pkg: Package) -> dict[str, Any]:
         "recipe": m["recipe"]["name"],
         "steps": [s["config"]["kind"] for s in m["recipe"]["steps"]],
         **_transformer(pkg, m),
+        "text_encoders": _text_encoders(m),
         "layers_float": len(float_layers),
         "float_layer_names": float_layers,
         "package_bytes": sum(f["size"] for f in m["files"].values()),
@@ -119,6 +122,29 @@ def _transformer(pkg: Package, m: dict[str, Any]) -> dict[str, Any]:
         "transformer_bytes": total,
         "cache": cache,
     }
+
+
+def _text_encoders(m: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Per text encoder the text-encoder step took: its quantized layers by scheme (from the
+    ``text_encoders`` section), the gate's SQNR and its decision (from the step's record)."""
+    out: dict[str, dict[str, Any]] = {}
+    for step in m["recipe"]["steps"]:
+        encoders = (
+            step.get("result", {}).get("encoders")
+            if step.get("config", {}).get("kind") == "text_encoder_quant"
+            else None
+        )
+        for name, entry in (encoders or {}).items():
+            modules = m.get("text_encoders", {}).get(name, {}).get("modules", {})
+            schemes: dict[str, int] = {}
+            for info in modules.values():
+                schemes[info["scheme"]] = schemes.get(info["scheme"], 0) + 1
+            out[name] = {
+                "schemes": schemes,
+                "sqnr_db": entry.get("sqnr_db"),
+                "decision": entry.get("decision"),
+            }
+    return out
 
 
 def quality_lines(q: dict[str, Any], source: str) -> list[str]:

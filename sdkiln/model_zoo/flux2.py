@@ -305,7 +305,7 @@ SPEC = ModelSpec(
     ),
     float_layers=(),
     # no cache-auto (refusals): FLUX.2 joins the two streams between its block lists
-    default_recipe="quant-auto",
+    default_recipe="te-w8a16+quant-auto",
     build=tiny,
     eval_prompts=("a photo of a cat", "a red car on a mountain road", "a bowl of fruit, oil painting"),
     calibration_prompts=("a photo of a dog", "a city skyline at night", "a watercolor of a lighthouse"),

@@ -305,7 +305,7 @@ SPEC = ModelSpec(
         "single_transformer_blocks.*.norm.linear",
     ),
     # block-sparse attention takes no attention mask (refusals), so the default stops at quant + cache
-    default_recipe="quant-auto+cache-auto",
+    default_recipe="te-w8a16+quant-auto+cache-auto",
     build=tiny,
     size_multiple=16,  # the VAE's 8x times the 2x2 patch
     frame_step=4,  # the VAE compresses time by 4: 4k + 1 frames

@@ -272,7 +272,7 @@ SPEC = ModelSpec(
     ),
     float_layers=(),
     weight_only_layers=("transformer_blocks.*.norm1.linear", "transformer_blocks.*.norm1_context.linear"),
-    default_recipe="quant-auto+cache-auto",
+    default_recipe="te-w8a16+quant-auto+cache-auto",
     build=tiny,
     size_multiple=16,  # the VAE's 16x spatial compression, patch 1
     frame_step=4,  # the VAE compresses time by 4: 4k + 1 frames

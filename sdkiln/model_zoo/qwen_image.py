@@ -329,7 +329,7 @@ SPEC = ModelSpec(
     ),
     float_layers=(),
     weight_only_layers=("transformer_blocks.*.img_mod.1", "transformer_blocks.*.txt_mod.1"),
-    default_recipe="quant-auto+cache-auto",
+    default_recipe="te-w8a16+quant-auto+cache-auto",
     build=tiny,
     size_multiple=16,  # the VAE's 8x and the 2x2 packing
     max_text_tokens=1024,  # QwenImagePipeline.check_inputs refuses more

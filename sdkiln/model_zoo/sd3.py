@@ -191,7 +191,7 @@ SPEC = ModelSpec(
         "transformer_blocks.*.norm1.linear",
         "transformer_blocks.*.norm1_context.linear",
     ),
-    default_recipe="quant-auto+cache-auto",
+    default_recipe="te-w8a16+quant-auto+cache-auto",
     build=tiny,
     eval_prompts=("a photo of a cat", "a red car on a mountain road", "a bowl of fruit, oil painting"),
     calibration_prompts=("a photo of a dog", "a city skyline at night", "a watercolor of a lighthouse"),

@@ -282,6 +282,10 @@ class ModelSpec:
     """A video family's frame counts are ``frame_step * k + 1`` (the VAE's temporal downscale)."""
     max_text_tokens: int = 512
     """The most ``max_sequence_length`` the family's pipeline takes (T5's 512 in FLUX, SD3, Wan)."""
+    text_encoder_floor_db: float = 30.0
+    """The text-encoder quantization step's gate (``TextEncoderQuantConfig``): an encoder is
+    quantized only if every output it returns keeps at least this SQNR on the calibration prompts
+    (30 dB: a 3% RMS error; what the schemes cost on the embedded model is in docs/memory.md)."""
     eval_prompts: tuple[str, ...] = ("a photo of a cat",)
     """Held-out prompts for the quality report."""
     calibration_prompts: tuple[str, ...] = ("a photo of a dog",)

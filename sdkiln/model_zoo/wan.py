@@ -181,7 +181,7 @@ SPEC = ModelSpec(
     block_lists=(BlockList("blocks", inputs=("hidden_states",), outputs=("hidden_states",)),),
     float_layers=(),
     # a video model's attention is most of its time: its default recipe adds calibrated sparse attention
-    default_recipe="quant-auto+cache-auto+sparse-attn",
+    default_recipe="te-w8a16+quant-auto+cache-auto+sparse-attn",
     build=tiny,
     frame_step=4,  # Wan's VAE compresses time by 4: 4k + 1 frames
     eval_prompts=("a cat walking on grass", "waves breaking on a beach", "a car driving through rain"),

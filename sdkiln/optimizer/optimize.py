@@ -18,7 +18,7 @@ import torch
 from tqdm.auto import tqdm
 
 from sdkiln import kernels
-from sdkiln.configs import Deployment, LoraFile, RecipeConfig
+from sdkiln.configs import Deployment, LoraFile, RecipeConfig, TextEncoderQuantConfig
 from sdkiln.export import ascend, write_package
 from sdkiln.export.ascend import AscendExport
 from sdkiln.export.atomic import target_lock
@@ -121,6 +121,17 @@ def _model_fields(transformer: torch.nn.Module) -> dict[str, Any]:
         **fingerprint(transformer),
         "transformer_class": type(transformer).__name__,
         "dtype": _dtype_name(transformer),
+    }
+
+
+def _encoder_quality(steps: list[dict[str, Any]]) -> dict[str, Any]:
+    """What the text-encoder step measured, per encoder: the quality report's part on them (the
+    images it measures were made with them)."""
+    return {
+        name: {k: entry[k] for k in ("sqnr_db", "decision")} | {"scheme": step["result"]["scheme"]}
+        for step in steps
+        if step["config"]["kind"] == TextEncoderQuantConfig.kind
+        for name, entry in step["result"]["encoders"].items()
     }
 
 
@@ -249,6 +260,7 @@ def optimize(
             **({"fused_loras": fused_loras} if fused_loras else {}),
         }
         experts = {a: {"model": _model_fields(getattr(base, a))} for a in spec.experts}
+        encoders_changed = any(isinstance(s, TextEncoderQuantConfig) for s in recipe.steps)
         if by_name or in_place:
             optimized, kept_base = base, None
         else:
@@ -256,7 +268,12 @@ def optimize(
             # from_pipe, which casts every component to one dtype (float32 by default)
             params = inspect.signature(type(base).__init__).parameters
             settings = {k: v for k, v in base.config.items() if k in params and k not in base.components}
-            copies = {a: copy.deepcopy(getattr(base, a)) for a in attrs}
+            # the transformers, and any text encoder a recipe step changes, are the optimized pipeline's own
+            changed = [
+                *attrs,
+                *(n for n in base.components if n.startswith("text_encoder") and encoders_changed),
+            ]
+            copies = {a: copy.deepcopy(getattr(base, a)) for a in changed if getattr(base, a) is not None}
             optimized = type(base)(**{**base.components, **settings, **copies})
             kept_base = base
         ctx = TransformContext(pipeline=optimized, spec=spec, forward_loop=forward_loop, recipe=recipe)
@@ -277,8 +294,9 @@ def optimize(
                 )
             steps, modules, files, sections = [], {}, {}, {}
             for config in recipe.steps:
-                for a in attrs:  # the step on each transformer in turn, each on the steps it runs
-                    label = ctx.step_label(config.kind, a)
+                # the step on each transformer in turn, each on the steps it runs (or once: text encoders)
+                for a in attrs if config.per_transformer else (attr,):
+                    label = ctx.step_label(config, a)
                     counts = [p.forwards for p in plan.phases if p.name.split(":")[0] == label]
                     result = meter.run(
                         label,
@@ -303,6 +321,9 @@ def optimize(
                     plan.phases[-1].forwards,
                     lambda: measure(optimized, spec, ref, batch),
                 )
+                encoders = _encoder_quality(steps)
+                if encoders:
+                    quality["text_encoders"] = encoders
         finally:
             meter.close()
         manifest = {

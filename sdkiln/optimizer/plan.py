@@ -207,8 +207,9 @@ def make_plan(
     optimized in place) and its memory estimate."""
     phases: list[Phase] = []
     for config in recipe_steps:
-        for attr in ctx.spec.transformer_attrs:  # each step runs on each transformer in turn
-            label = ctx.step_label(config.kind, attr)
+        # each step runs on each transformer in turn (a step that changes no transformer, once)
+        for attr in ctx.spec.transformer_attrs if config.per_transformer else (ctx.spec.transformer_attr,):
+            label = ctx.step_label(config, attr)
             for phase in step_phases(ctx.for_transformer(attr), config):
                 phase.name = label if phase.name == config.kind else f"{label}: {phase.name}"
                 if ctx.spec.experts and phase.steps is not None:

@@ -16,8 +16,10 @@ from sdkiln.configs import (
     RecipeConfig,
     RecipeStep,
     SparseAttentionConfig,
+    TextEncoderQuantConfig,
     WeightRounding,
 )
+from sdkiln.configs.quant import TEXT_ENCODER_SCHEMES
 from sdkiln.errors import PackageError, RecipeError, third_party
 from sdkiln.runtime.package import parse_json
 
@@ -38,12 +40,17 @@ PRESETS: dict[str, Callable[[], list[RecipeStep]]] = {
             refine=40,
         )
     ],
+    # The text encoders in one scheme, behind the family's SQNR floor (docs/memory.md).
+    **{
+        f"te-{scheme.replace('_', '-')}": (lambda scheme=scheme: [TextEncoderQuantConfig(scheme=scheme)])
+        for scheme in TEXT_ENCODER_SCHEMES
+    },
     # Block-sparse attention: calibrated per layer within the default error budget, or one sparsity
     # for every layer (for comparison; docs/sparsity.md).
     "sparse-attn": lambda: [SparseAttentionConfig()],
     **{f"sparse-attn@{s}": (lambda s=s: [SparseAttentionConfig(sparsity=s)]) for s in (0.5, 0.7, 0.8, 0.9)},
 }
-ALIASES = {"default": "quant-auto+cache-auto"}
+ALIASES = {"default": "te-w8a16+quant-auto+cache-auto"}
 """Without a model family; with one, ``default`` is its ``ModelSpec.default_recipe``."""
 
 

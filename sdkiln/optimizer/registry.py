@@ -36,10 +36,10 @@ class TransformContext:
             return self
         return replace(self, spec=replace(self.spec, transformer_attr=attr, experts=()))
 
-    def step_label(self, kind: str, attr: str) -> str:
-        """A recipe step's name in the plan and the progress bars: ``kind``, followed by the transformer
-        it works on when the pipeline has several (``w8a8_dynamic [transformer_2]``)."""
-        return f"{kind} [{attr}]" if self.spec.experts else kind
+    def step_label(self, step: RecipeStep, attr: str) -> str:
+        """A recipe step's name in the plan and the progress bars: its kind, followed by the
+        transformer it works on when the pipeline has several (``w8a8_dynamic [transformer_2]``)."""
+        return f"{step.kind} [{attr}]" if self.spec.experts and step.per_transformer else step.kind
 
     @property
     def deployment(self) -> Deployment:

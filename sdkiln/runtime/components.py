@@ -21,7 +21,7 @@ import inspect
 import tempfile
 import types
 import typing
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -43,6 +43,8 @@ PIPELINE_MODULES = ("diffusers", "sdkiln.model_zoo.")
 ZOO_COMPONENTS = "sdkiln.model_zoo."
 # A float tensor may be stored in any of these (a bf16 package); integer and float8 tensors (the
 # quantized values) must have exactly the dtype their module declares.
+Prepare = Callable[[str, nn.Module], None]
+"""A hook on a model component built on meta, by name, before its weights load."""
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 BUDGET_MARGIN = 16 << 20  # elements beyond twice the stored ones: buffers, init temporaries
 TENSOR_MARGIN = 2_000  # tensors beyond four per stored one
@@ -300,7 +302,9 @@ def fill_weights(
     return model.eval()
 
 
-def _model(pkg: Package, name: str, cls: type, library: str, device: torch.device | None) -> nn.Module:
+def _model(
+    pkg: Package, name: str, cls: type, library: str, device: torch.device | None, prepare: Prepare | None
+) -> nn.Module:
     config_rel = f"{name}/config.json"
     config = expect_dict(pkg.read_json(config_rel), config_rel)
     check_config_types(cls if library == "diffusers" else cls.config_class, config, config_rel)
@@ -327,6 +331,8 @@ def _model(pkg: Package, name: str, cls: type, library: str, device: torch.devic
             model = (
                 cls.from_config(config) if library == "diffusers" else cls(cls.config_class.from_dict(config))
             )
+    if prepare is not None:
+        prepare(name, model)
     tensors = component_tensors(pkg, name, device)
     if library == "transformers":
         tensors = _model_keys(model, tensors, config_rel)
@@ -433,10 +439,13 @@ def load_component(
     class_name: str,
     declared: Any = None,
     device: torch.device | None = None,
+    prepare: Prepare | None = None,
 ) -> Any:
     """One component from its files, a model's weights on ``device`` when given. ``declared``, the
     pipeline's annotation for it, is checked before anything is built: a model must be of the
-    declared class (a transformer posing as a VAE is refused before its constructor runs)."""
+    declared class (a transformer posing as a VAE is refused before its constructor runs).
+    ``prepare(name, model)`` runs on a model built on meta, before its weights load (the package
+    sections' ``component`` handlers: a quantized text encoder's modules)."""
     from diffusers import ModelMixin, SchedulerMixin
     from diffusers.guiders.guider_utils import BaseGuidance
     from transformers import ImageProcessingMixin, PreTrainedModel, PreTrainedTokenizerBase, ProcessorMixin
@@ -468,7 +477,7 @@ def load_component(
             f"model_index.json: {name} is a {class_name}, the pipeline takes a {declared.__name__}"
         )
     if issubclass(cls, ModelMixin | PreTrainedModel):
-        return _model(pkg, name, cls, library, device)
+        return _model(pkg, name, cls, library, device, prepare)
     if issubclass(cls, SchedulerMixin):
         return _scheduler(pkg, name, cls)
     if issubclass(cls, BaseGuidance):
@@ -487,10 +496,11 @@ def assemble(
     pipeline_cls: type,
     transformers: dict[str, nn.Module],
     device: torch.device | None = None,
+    prepare: Prepare | None = None,
 ) -> Any:
     """The pipeline from ``model_index.json``: each listed component loaded from the package (its
-    weights on ``device`` when given), the transformers given (by attribute: the package's, and an
-    expert's), checked against what the pipeline class takes."""
+    weights on ``device`` when given; ``prepare`` as in ``load_component``), the transformers given
+    (by attribute: the package's, and an expert's), checked against what the pipeline class takes."""
     index = expect_dict(pkg.read_json("model_index.json"), "model_index.json")
     if index.get("_class_name") != pipeline_cls.__name__:
         raise PackageError(
@@ -528,7 +538,9 @@ def assemble(
                 raise PackageError(f"model_index.json: {pipeline_cls.__name__} needs component {name!r}")
             components[name] = None
         else:
-            components[name] = load_component(pkg, name, *entry, declared=param.annotation, device=device)
+            components[name] = load_component(
+                pkg, name, *entry, declared=param.annotation, device=device, prepare=prepare
+            )
     missing = [
         n
         for n, p in params.items()

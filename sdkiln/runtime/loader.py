@@ -9,8 +9,9 @@
    into storage of its own, handed over once the file's sha256 matched, then set with
    ``assign=True``; bound for an accelerator (and no mesh), each shard goes to the device before
    the next is read, so the host holds one shard at a time;
-5. **assemble**: the other components, built and filled the same way, into the pipeline class the
-   manifest names (from diffusers or sdkiln's model zoo, nowhere else);
+5. **assemble**: the other components, built and filled the same way (each model, on meta, first
+   given each section's ``component`` handler: a quantized text encoder's modules), into the
+   pipeline class the manifest names (from diffusers or sdkiln's model zoo, nowhere else);
 6. **restore sections**: each section's ``attach`` handler (step tracker, cache schedule, ...);
 7. **parallel**: the device mesh of ``parallel`` (``ParallelConfig``): the process group, the
    sequence split of the family's plan, the attention route, CFG parallel (``runtime.parallel``);
@@ -33,6 +34,7 @@ import inspect
 import logging
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -130,7 +132,12 @@ def load_weights(
     return fill_weights(model, tensors, where)
 
 
-def _assemble(pkg: Package, transformers: dict[str, nn.Module], device: torch.device | None):
+def _assemble(
+    pkg: Package,
+    transformers: dict[str, nn.Module],
+    device: torch.device | None,
+    prepare: Callable[[str, nn.Module], None] | None = None,
+):
     from diffusers import DiffusionPipeline
 
     info = pkg.manifest["model"]
@@ -140,7 +147,7 @@ def _assemble(pkg: Package, transformers: dict[str, nn.Module], device: torch.de
     for key in [call["guidance_arg"], *call["defaults"]]:
         if key is not None and key not in takes:
             raise PackageError(f"manifest.json: call: {pipeline_cls.__name__} takes no argument {key!r}")
-    pipe = assemble(pkg, pipeline_cls, transformers, device)
+    pipe = assemble(pkg, pipeline_cls, transformers, device, prepare)
     pipe.set_progress_bar_config(disable=True)
     pipe.sdkiln_manifest = pkg.manifest
     pipe.sdkiln_digest = pkg.digest
@@ -362,7 +369,12 @@ def load(
     clock.mark("build")
     load_weights(pkg, ctx.transformer, placed)
     clock.mark("read")
-    ctx.pipeline = _assemble(pkg, {ctx.transformer_attr: ctx.transformer, **ctx.transformers}, placed)
+    ctx.pipeline = _assemble(
+        pkg,
+        {ctx.transformer_attr: ctx.transformer, **ctx.transformers},
+        placed,
+        lambda name, model: restore.run_component(sections, ctx, name, model),
+    )
     restore.run_stage("attach", sections, ctx)
     clock.mark("assemble")
     target = _parallel(ctx, parallel, target)

@@ -3,14 +3,16 @@ restore per saved mode; STYLE habit 15).
 
 A package's manifest holds the core fields every package has (``CORE_FIELDS``) and one top-level
 entry per **section** it carries: ``modules`` (the quantized layers), ``cache_schedule``,
-``sparse_attention`` and ``experts`` (a pipeline's other transformers, each with sections of its
-own: ``runtime.experts``). Each section has a
+``sparse_attention``, ``experts`` (a pipeline's other transformers, each with sections of its
+own: ``runtime.experts``) and ``text_encoders`` (quantized text encoders: ``runtime.quant.encoders``). Each section has a
 ``Section`` handler in its own module, listed in ``SECTION_MODULES``; a manifest entry that no
 handler claims is refused, so an older sdkiln never runs a newer package without a part of it.
 
-``sdkiln.load`` runs every section's handler in two of its stages (``runtime/loader.py`` has the
+``sdkiln.load`` runs every section's handler in three of its stages (``runtime/loader.py`` has the
 whole order): ``build`` on the transformer built on the meta device, before its weights are loaded
-(swap modules), and ``attach`` on the assembled pipeline (hooks, schedules, step trackers).
+(swap modules), ``component`` on each other model component built on meta, before its weights are
+loaded (a quantized text encoder's modules), and ``attach`` on the assembled pipeline (hooks,
+schedules, step trackers).
 Sections run in ``SECTION_MODULES`` order within a stage.
 
 Adding a section is one module with a ``SECTION`` and one line in ``SECTION_MODULES``.
@@ -34,6 +36,7 @@ SECTION_MODULES = (
     "sdkiln.runtime.cache.restore",
     "sdkiln.runtime.sparse.restore",
     "sdkiln.runtime.experts",
+    "sdkiln.runtime.quant.encoders",
 )
 
 
@@ -71,6 +74,8 @@ class Section:
     present: Callable[[dict[str, Any]], bool]
     """Whether a manifest carries the section (a schema-1 package may carry it without the entry)."""
     build: Callable[[RestoreContext], None] | None = None
+    component: Callable[[RestoreContext, str, torch.nn.Module], None] | None = None
+    """On a model component (not a transformer) by name, built on meta before its weights load."""
     attach: Callable[[RestoreContext], None] | None = None
 
 
@@ -102,3 +107,10 @@ def run_stage(stage: str, sections: list[Section], ctx: RestoreContext) -> None:
         handler = getattr(section, stage)
         if handler is not None:
             handler(ctx)
+
+
+def run_component(sections: list[Section], ctx: RestoreContext, name: str, model: torch.nn.Module) -> None:
+    """Run every section's ``component`` handler on the component ``name``, built on meta."""
+    for section in sections:
+        if section.component is not None:
+            section.component(ctx, name, model)

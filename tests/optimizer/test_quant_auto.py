@@ -219,7 +219,7 @@ def test_config_validation_and_the_default_recipe():
             QuantAutoConfig(**bad)
     with pytest.raises(RecipeError, match="sqnr_floor_db must be finite"):
         QuantAutoConfig.from_dict({"kind": "quant_auto", "sqnr_floor_db": float("inf")})
-    assert resolve_recipe("default").steps[0] == QuantAutoConfig()
+    assert resolve_recipe("default").steps[1] == QuantAutoConfig()  # after the text encoders' step
 
 
 PACKAGES = {

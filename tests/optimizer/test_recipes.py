@@ -11,6 +11,7 @@ from sdkiln.configs import (
     QuantAutoConfig,
     RecipeConfig,
     RecipeStep,
+    TextEncoderQuantConfig,
     W8A8DynamicConfig,
     W8A8StaticConfig,
     WeightRounding,
@@ -34,7 +35,7 @@ def test_recipe_round_trips_through_json():
 
 def test_named_recipes():
     assert resolve_recipe("none").steps == []
-    assert resolve_recipe("default").steps == [QuantAutoConfig(), CacheAutoConfig()]
+    assert resolve_recipe("default").steps == [TextEncoderQuantConfig(), QuantAutoConfig(), CacheAutoConfig()]
     assert resolve_recipe("none+w8a8-dynamic").steps == [W8A8DynamicConfig()]
 
 

@@ -40,7 +40,8 @@ def test_recipe_names_and_the_family_default():
     assert resolve_recipe("sparse-attn").steps == [SparseAttentionConfig()]
     assert resolve_recipe("sparse-attn@0.8").steps == [SparseAttentionConfig(sparsity=0.8)]
     kinds = [s.kind for s in resolve_recipe("default", get_spec("wan-tiny")).steps]
-    assert kinds == ["quant_auto", "sparse_attention", "cache_auto"]  # ordered: quantize, sparsify, cache
+    # ordered: the text encoders, quantize, sparsify, cache
+    assert kinds == ["text_encoder_quant", "quant_auto", "sparse_attention", "cache_auto"]
     assert "sparse_attention" not in [
         s.kind for s in resolve_recipe("default", get_spec("fmnist-flux")).steps
     ]

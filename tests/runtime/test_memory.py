@@ -14,11 +14,19 @@ import pytest
 import torch
 
 import sdkiln
-from sdkiln.configs import CacheAutoConfig, Deployment, MemoryConfig, RecipeConfig, W8A8DynamicConfig
+from sdkiln.configs import (
+    CacheAutoConfig,
+    Deployment,
+    MemoryConfig,
+    RecipeConfig,
+    TextEncoderQuantConfig,
+    W8A8DynamicConfig,
+)
 from sdkiln.configs.runtime import parse_bytes
 from sdkiln.errors import SdkilnError
 from sdkiln.runtime.memory import Sizes, plan
 from sdkiln.runtime.memory.plan import peak
+from sdkiln.runtime.quant import QuantLinear
 
 GIB = 2**30
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "schema1_flux_tiny" / "package"
@@ -106,14 +114,19 @@ def test_bad_configs_are_refused():
 @pytest.fixture(scope="module")
 def packages(tmp_path_factory) -> dict[str, Path]:
     """flux-tiny with every scheme and a cache schedule (the schema-1 fixture), wan-tiny W8A8 with a
-    cache schedule, the embedded model W8A8."""
+    cache schedule and its UMT5 in W8A8 dynamic, the embedded model W8A8 with its MiniLM in W8A16 (the
+    floor off: a quantized encoder visits the device)."""
     root = tmp_path_factory.mktemp("memory")
     cache = CacheAutoConfig(
         psnr_floor_db=0.0, psnr_p5_floor_db=0.0, calib_samples=1, eval_samples=1, budgets=2, refine=0
     )
-    recipe = RecipeConfig("wan", [W8A8DynamicConfig(), cache], Deployment(num_inference_steps=4))
+    te = TextEncoderQuantConfig(scheme="w8a8_dynamic", sqnr_floor_db=0.0)
+    recipe = RecipeConfig("wan", [te, W8A8DynamicConfig(), cache], Deployment(num_inference_steps=4))
     sdkiln.optimize("wan-tiny", recipe, root / "wan", eval_samples=0)
-    sdkiln.optimize("fmnist-flux", "w8a8-dynamic", root / "fmnist", eval_samples=0)
+    te = TextEncoderQuantConfig(sqnr_floor_db=0.0)
+    sdkiln.optimize(
+        "fmnist-flux", RecipeConfig("fm", [te, W8A8DynamicConfig()]), root / "fmnist", eval_samples=0
+    )
     return {"flux-tiny": FIXTURE, "wan-tiny": root / "wan", "fmnist-flux": root / "fmnist"}
 
 
@@ -139,6 +152,8 @@ def test_every_plan_gives_the_resident_output_bit_for_bit(packages, family):
             continue
         res = pipe.sdkiln_memory
         assert res.plan.name == name
+        if family != "flux-tiny":  # a quantized text encoder visits, or stays
+            assert any(isinstance(m, QuantLinear) for m in pipe.text_encoder.modules())
         assert torch.equal(_run(pipe, family), reference), name
         onloads = res.onloads
         assert all(onloads[v] >= 1 for v in res.plan.visiting), onloads

@@ -58,7 +58,7 @@ SPEC = ModelSpec(
         "transformer_blocks.*.norm1_context.linear",
         "single_transformer_blocks.*.norm.linear",
     ),
-    default_recipe="quant-auto+cache-auto",
+    default_recipe="te-w8a16+quant-auto+cache-auto",
     build=build,
     eval_prompts=tuple(eval_prompt(c) for c in range(len(CLASS_NAMES))),
     calibration_prompts=tuple(cap for caps in CAPTIONS for cap in caps[1:]),

@@ -41,9 +41,13 @@ def _check_params(layer: str, scheme: str, params: dict) -> None:
             raise PackageError(f"{where}: must be a finite number, got {value!r}")
 
 
-def swap_modules(ctx: RestoreContext) -> None:
-    model = ctx.transformer
-    for name, info in ctx.manifest["modules"].items():
+def swap_into(model: nn.Module, modules: dict, what: str = "the transformer") -> None:
+    """Replace each ``nn.Linear`` of ``model`` (built on meta) that ``modules`` names by its scheme's
+    module, built empty on meta: the manifest's ``modules``, or a text encoder's
+    (``runtime.quant.encoders``); ``what`` names the model in errors."""
+    if not isinstance(modules, dict):
+        raise PackageError(f"manifest.json: the quantized layers of {what} must be an object")
+    for name, info in modules.items():
         if not isinstance(info, dict):
             raise PackageError(f"manifest.json: layer {name!r} must be an object with a 'scheme'")
         params = dict(info)
@@ -58,7 +62,7 @@ def swap_modules(ctx: RestoreContext) -> None:
             parent = model.get_submodule(parent_name)
             linear = getattr(parent, leaf)
         except AttributeError:
-            raise PackageError(f"manifest.json: layer {name!r} does not exist in the transformer") from None
+            raise PackageError(f"manifest.json: layer {name!r} does not exist in {what}") from None
         if not isinstance(linear, nn.Linear):
             raise PackageError(f"manifest.json: layer {name!r} is a {type(linear).__name__}, not a Linear")
         smooth = params.pop("smooth", False)
@@ -79,6 +83,10 @@ def swap_modules(ctx: RestoreContext) -> None:
                 f"manifest.json: layer {name!r} cannot be built as {scheme} with {params}: {exc}"
             ) from None
         setattr(parent, leaf, SmoothedLinear(module, linear.in_features, "meta") if smooth else module)
+
+
+def swap_modules(ctx: RestoreContext) -> None:
+    swap_into(ctx.transformer, ctx.manifest["modules"])
 
 
 def attach_step_tracking(ctx: RestoreContext) -> None:
