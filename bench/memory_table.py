@@ -14,7 +14,13 @@ is the host, so the table's device bytes are the child's resident bytes. That ch
 * ``run_peak``: the high-water mark of the generation above the baseline: against the table's
   resident peak (``resident_peak``, the components plus the largest activation estimate);
 * ``activations``: ``run_peak - loaded``: against that largest activation estimate (a transformer
-  call's, or the VAE decode's).
+  call's, or the VAE decode's);
+* ``moments``: per component call (each text encoder, the transformer, the VAE's decode), the
+  high-water mark reset before it, read after it, above the resident bytes it found: against the
+  table's estimate for that moment (an encoder's, a transformer call's, the decode's);
+* ``vae.decode tiled``: the same latents decoded again in tiles (``residency.tile_decode``, what the
+  ``+tiled`` plans run), its moment against the tiled estimate, its seconds and its PSNR against the
+  untiled decode (``tiled_decode``).
 
 ``ratio`` is measured over estimated; the acceptance is the resident peak within 20% (0.8 to 1.2).
 
@@ -80,6 +86,7 @@ def measure(package: Path) -> dict[str, Any]:
     import sdkiln
     from sdkiln.configs import MemoryConfig
     from sdkiln.model_zoo import get_spec
+    from sdkiln.runtime.memory.residency import tile_decode
     from sdkiln.runtime.memory.table import memory_table
     from sdkiln.runtime.package import open_package
 
@@ -91,6 +98,37 @@ def measure(package: Path) -> dict[str, Any]:
     manifest = pipe.sdkiln_manifest
     spec = get_spec(manifest["model"]["family"], manifest["model"].get("variant"))
     call = {**manifest["call"]["defaults"], "num_inference_steps": 1, "output_type": "np"}
+    moments: dict[str, int] = {}
+    found: list[int] = [0]
+
+    def before(*_: Any) -> None:
+        _reset_peak()
+        found[0] = _proc_kib("VmRSS")
+
+    def after(name: str) -> Any:
+        def hook(*_: Any) -> None:
+            rise = (_proc_kib("VmHWM") - found[0]) * 1024  # above what the call found
+            moments[name] = max(moments.get(name, 0), rise)
+
+        return hook
+
+    names = [n for n, c in pipe.components.items() if isinstance(c, torch.nn.Module) and n != "vae"]
+    for name in names:
+        getattr(pipe, name).register_forward_pre_hook(before)
+        getattr(pipe, name).register_forward_hook(after(name))
+    decode = pipe.vae.decode
+
+    decoded: list[Any] = []
+
+    def timed_decode(*args: Any, **kwargs: Any) -> Any:
+        before()
+        start = time.perf_counter()
+        out = decode(*args, **kwargs)
+        after("vae.decode")()
+        decoded.append((args, kwargs, out, time.perf_counter() - start))
+        return out
+
+    pipe.vae.decode = timed_decode
     _reset_peak()
     start = time.perf_counter()
     pipe(
@@ -100,7 +138,20 @@ def measure(package: Path) -> dict[str, Any]:
         **spec.condition(call),
     )
     seconds = time.perf_counter() - start
-    run_peak = _proc_kib("VmHWM") * 1024 - baseline
+    run_peak = max(_proc_kib("VmHWM") * 1024 - baseline, *(m + loaded for m in moments.values()))
+    # the same latents decoded again in tiles (the +tiled plans' decode), and how far that is
+    args, kwargs, untiled, untiled_seconds = decoded[0]
+    tile_decode(pipe.vae)
+    tiled_seconds = time.perf_counter()
+    before()
+    tiled = decode(*args, **kwargs)
+    after("vae.decode tiled")()
+    tiled_seconds = time.perf_counter() - tiled_seconds
+    a, b = (
+        untiled[0] if isinstance(untiled, tuple) else untiled.sample,
+        tiled[0] if isinstance(tiled, tuple) else tiled.sample,
+    )
+    tiled_psnr = float(10 * torch.log10(4.0 / (a.float() - b.float()).square().mean()))  # outputs in [-1, 1]
     table = memory_table(open_package(package))
     model = sum(c["memory_bytes"] for c in table["components"].values())
     est = table["estimates"]
@@ -119,7 +170,25 @@ def measure(package: Path) -> dict[str, Any]:
             "ratio": (run_peak - loaded) / largest,
         },
         "resident_peak": {"measured": run_peak, "estimated": resident, "ratio": run_peak / resident},
+        "moments": {
+            name: {
+                "measured": moments[name],
+                "estimated": est["decode_activation_bytes"]
+                if name == "vae.decode"
+                else est["decode_tiled_activation_bytes"]
+                if name == "vae.decode tiled"
+                else est["transformer_call_activation_bytes"]
+                if name == "transformer"
+                else est["encode_activation_bytes"],
+            }
+            for name in moments
+        },
         "generate_seconds": round(seconds, 1),
+        "tiled_decode": {
+            "seconds": round(tiled_seconds, 1),
+            "untiled_seconds": round(untiled_seconds, 1),
+            "psnr_db_vs_untiled": tiled_psnr,
+        },
         "plan": pipe.sdkiln_memory.plan.name,
         "widened": sorted(pipe.sdkiln_widened),
     }

@@ -418,14 +418,16 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="BYTES",
         help="run within this much device memory (16G, 512M): the planner keeps what fits on the device, lets "
-        "the text encoders and the VAE visit it, or streams the transformer's blocks; prints the plan; a budget "
+        "the text encoders and the VAE visit it, streams the transformer's blocks, or decodes in tiles; prints the "
+        "plan; a budget "
         "no plan fits is refused with what the smallest needs (docs/memory.md)",
     )
     r.add_argument(
         "--memory-plan",
         default=None,
         metavar="PLAN",
-        help="force a plan: resident, encoders, encoders+vae or blocks:N (docs/memory.md)",
+        help="force a plan: resident, encoders, encoders+vae, blocks:N, or encoders+vae+tiled / blocks:N+tiled "
+        "(the VAE decodes in tiles) (docs/memory.md)",
     )
     r.add_argument("--height", type=SIZE, default=None)
     r.add_argument("--width", type=SIZE, default=None)

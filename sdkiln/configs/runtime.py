@@ -206,9 +206,12 @@ class MemoryConfig:
     A planner picks the first residency plan whose estimated peak fits, in this order: everything
     resident; the text encoders visiting the device only while they encode; the VAE visiting too;
     the transformer's blocks streamed from host memory in groups of ``4``, ``2``, then ``1`` blocks
-    (the next group prefetched on a side stream on CUDA). A budget no plan fits is refused with the
-    bytes the smallest plan needs. ``plan`` forces one plan by name (``resident``, ``encoders``,
-    ``encoders+vae``, ``blocks:N``), the budget then only checked against it when given."""
+    (the next group prefetched on a side stream on CUDA); where the VAE can tile, each plan that
+    lets it visit is followed by the same plan with the VAE decoding in tiles (``+tiled``: not bit
+    for bit the untiled decode). A budget no plan fits is refused with the bytes the smallest plan
+    needs. ``plan`` forces one plan by name (``resident``, ``encoders``, ``encoders+vae``,
+    ``encoders+vae+tiled``, ``blocks:N``, ``blocks:N+tiled``), the budget then only checked against
+    it when given."""
 
     device_budget: int | str | None = None
     plan: str | None = None
@@ -222,7 +225,8 @@ class MemoryConfig:
             raise SdkilnError("MemoryConfig needs a device_budget (16G) or a plan")
         if self.plan is not None and not _plan_name_ok(self.plan):
             raise SdkilnError(
-                f"MemoryConfig.plan is resident, encoders, encoders+vae or blocks:N (N >= 1), got {self.plan!r}"
+                "MemoryConfig.plan is resident, encoders, encoders+vae, encoders+vae+tiled, blocks:N or "
+                f"blocks:N+tiled (N >= 1), got {self.plan!r}"
             )
         if not isinstance(self.prefetch, bool):
             raise SdkilnError("MemoryConfig.prefetch is a bool")
@@ -236,7 +240,7 @@ class MemoryConfig:
 
 
 def _plan_name_ok(name: Any) -> bool:
-    if name in ("resident", "encoders", "encoders+vae"):
+    if name in ("resident", "encoders", "encoders+vae", "encoders+vae+tiled"):
         return True
-    head, _, n = str(name).partition(":")
+    head, _, n = str(name).removesuffix("+tiled").partition(":")
     return head == "blocks" and n.isdigit() and int(n) >= 1

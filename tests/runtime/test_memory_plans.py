@@ -2,9 +2,10 @@
 published configs built on the meta device (``tools/random_model.py``), nothing allocated.
 
 Sizes as a package holds them: every floating tensor in bf16; for the W8A8 package, every ``nn.Linear``
-weight inside the transformer's block lists in int8 plus one fp32 scale per output channel. The
-expected plans are the table in ``docs/memory.md``: a change of the planner's arithmetic or of the
-activation estimate shows here first."""
+weight inside the transformer's block lists in int8 plus one fp32 scale per output channel; with
+``te-w8a16`` too, every ``nn.Linear`` weight of the text encoders the same way. The expected plans are
+the table in ``docs/memory.md``: a change of the planner's arithmetic or of the activation estimate
+shows here first."""
 
 import sys
 from pathlib import Path
@@ -32,14 +33,22 @@ MODELS = {  # variant: (family, deployment call)
         {"height": 720, "width": 1280, "num_frames": 129, "max_sequence_length": 256},
     ),
 }
-EXPECTED = {  # (variant, W8A8 transformer blocks): the plan per budget, None where refused
-    ("flux-dev", False): [None, "blocks:4", "blocks:4", "resident", "resident"],
-    ("flux-dev", True): [None, "blocks:4", "resident", "resident", "resident"],
-    ("wan2.1-t2v-14b", False): [None, "blocks:4", "blocks:4", "encoders", "resident"],
-    ("wan2.1-t2v-14b", True): [None, "blocks:4", "blocks:4", "resident", "resident"],
-    ("hunyuan-video", False): [None, None, None, "blocks:4", "resident"],
-    ("hunyuan-video", True): [None, None, None, "encoders", "resident"],
+MODES = ("bf16", "W8A8", "W8A8+te-w8a16")
+EXPECTED = {  # (variant, mode): the plan per budget, None where refused
+    ("flux-dev", "bf16"): [None, "blocks:4", "blocks:4", "resident", "resident"],
+    ("flux-dev", "W8A8"): [None, "blocks:4", "encoders", "resident", "resident"],
+    ("flux-dev", "W8A8+te-w8a16"): ["blocks:4", "blocks:4", "resident", "resident", "resident"],
+    ("wan2.1-t2v-14b", "bf16"): [None, "blocks:4", "blocks:4", "encoders", "resident"],
+    ("wan2.1-t2v-14b", "W8A8"): [None, "blocks:4", "blocks:4", "resident", "resident"],
+    ("wan2.1-t2v-14b", "W8A8+te-w8a16"): [None, "blocks:4", "encoders+vae+tiled", "resident", "resident"],
+    ("hunyuan-video", "bf16"): [None, None, "blocks:4", "encoders+vae+tiled", "resident"],
+    ("hunyuan-video", "W8A8"): [None, None, "blocks:4", "encoders", "resident"],
+    ("hunyuan-video", "W8A8+te-w8a16"): [None, "blocks:2+tiled", "blocks:4", "resident", "resident"],
 }
+ORDER = [
+    "resident", "encoders", "encoders+vae", "encoders+vae+tiled", "blocks:4", "blocks:2", "blocks:1",
+    "blocks:4+tiled", "blocks:2+tiled", "blocks:1+tiled", None,
+]  # fmt: skip
 
 
 def _bytes(int8_linears: set[int]):
@@ -71,16 +80,24 @@ def built() -> dict[str, dict[str, nn.Module]]:
     return out
 
 
-@pytest.mark.parametrize("variant, w8a8", list(EXPECTED))
-def test_plans_at_real_sizes(built, variant, w8a8):
+@pytest.mark.parametrize("variant, mode", list(EXPECTED))
+def test_plans_at_real_sizes(built, variant, mode):
     family, call = MODELS[variant]
     components = built[variant]
     int8 = set()
-    if w8a8:
+    if mode != "bf16":
         int8 = {
             id(m)
             for _, blocks in block_lists(components["transformer"])
             for m in blocks.modules()
+            if isinstance(m, nn.Linear)
+        }
+    if mode.endswith("te-w8a16"):
+        int8 |= {
+            id(m)
+            for name, c in components.items()
+            if name.startswith("text_encoder")
+            for m in c.modules()
             if isinstance(m, nn.Linear)
         }
     spec = get_spec(family)
@@ -92,11 +109,10 @@ def test_plans_at_real_sizes(built, variant, w8a8):
         except SdkilnError as exc:
             assert "needs about" in str(exc)
             got.append(None)
-    print(variant, "W8A8" if w8a8 else "bf16", {k: round(v / GIB, 2) for k, v in sizes.components.items()},
-          "activations", round(sizes.activations / GIB, 2), got)  # fmt: skip
-    assert got == EXPECTED[(variant, w8a8)]
-    # a larger budget never picks a slower plan
-    order = ["resident", "encoders", "encoders+vae", "blocks:4", "blocks:2", "blocks:1", None]
-    ranks = [order.index(g) for g in got]
+    print(variant, mode, {k: round(v / GIB, 2) for k, v in sizes.components.items()},
+          "activations", round(sizes.activations / GIB, 2), "decode", round(sizes.decode_activations / GIB, 2),
+          "tiled", round(sizes.decode_tiled_activations / GIB, 2), got)  # fmt: skip
+    assert got == EXPECTED[(variant, mode)]
+    ranks = [ORDER.index(g) for g in got]  # a larger budget never picks a slower plan
     assert ranks == sorted(ranks, reverse=True)
     assert torch.device("meta") == next(components["transformer"].parameters()).device

@@ -11,6 +11,12 @@ time first; the first whose estimated peak fits the budget is chosen:
 * ``blocks:N`` (N = 4, 2, 1): also the transformer's block lists stream from host memory, N blocks at
   a time; with prefetch, the next group is on the device while one computes (two groups resident).
 
+Where the VAE can decode in tiles (diffusers' ``enable_tiling``) and the deployment's size is larger
+than a tile, ``encoders+vae+tiled`` follows ``encoders+vae`` and each ``blocks:N+tiled`` follows
+the streamed plans: the same residency with the VAE decoding tiles of ``sizes.VAE_TILE`` pixels,
+blended where they overlap. Tiled plans come after the exact ones they extend: a tiled decode is not
+bit for bit the untiled one (docs/memory.md states how far it is).
+
 A peak is the resident bytes plus the largest visitor at its moment: an encoder with its activations,
 a transformer call's activations (with the streamed groups), or the VAE with its decode activations.
 A plan fits when its peak is at most the budget less ``HEADROOM`` (10%) of it. A budget below the
@@ -42,6 +48,9 @@ class Sizes:
     """One transformer call's peak activation bytes (estimate)."""
     encode_activations: int = 0
     decode_activations: int = 0
+    decode_tiled_activations: int = 0
+    """The VAE decode's activations when it decodes in tiles; 0: no tiled plan (the VAE cannot tile, or
+    the deployment's size is one tile)."""
 
 
 @dataclass(frozen=True)
@@ -53,6 +62,8 @@ class Plan:
     """Estimated peak device bytes."""
     budget: int | None
     prefetch: bool = True
+    vae_tiled: bool = False
+    """The VAE decodes in tiles (``+tiled``)."""
 
     def describe(self, sizes: Sizes) -> str:
         """The plan in a few lines: what stays, what visits, what streams, the estimate."""
@@ -72,6 +83,10 @@ class Plan:
         ]
         if self.visiting:
             lines.append(f"  visiting while they run: {', '.join(self.visiting)}")
+        if self.vae_tiled:
+            lines.append(
+                "  the VAE decodes in tiles (blended where they overlap: not bit for bit the untiled decode)"
+            )
         if self.blocks_per_group:
             n = sum(len(b) for b in sizes.blocks.values())
             lines.append(
@@ -85,18 +100,29 @@ def gib(n: int) -> str:
     return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / 2**20:.1f} MiB"
 
 
-def candidates(sizes: Sizes, prefetch: bool = True) -> list[tuple[str, tuple[str, ...], int | None]]:
-    out: list[tuple[str, tuple[str, ...], int | None]] = [("resident", (), None)]
+Candidate = tuple[str, tuple[str, ...], int | None, bool]
+"""A plan's name, its visiting components, its blocks per group (None: resident), its tiled decode."""
+
+
+def candidates(sizes: Sizes, prefetch: bool = True) -> list[Candidate]:
+    tiled = bool(sizes.vae and sizes.decode_tiled_activations)
+    out: list[Candidate] = [("resident", (), None, False)]
     if sizes.encoders:
-        out.append(("encoders", sizes.encoders, None))
+        out.append(("encoders", sizes.encoders, None, False))
     if sizes.vae:
-        out.append(("encoders+vae", sizes.encoders + sizes.vae, None))
+        out.append(("encoders+vae", sizes.encoders + sizes.vae, None, False))
+    if tiled:
+        out.append(("encoders+vae+tiled", sizes.encoders + sizes.vae, None, True))
     if any(sizes.blocks.values()):
-        out += [(f"blocks:{g}", sizes.encoders + sizes.vae, g) for g in GROUPS]
+        out += [(f"blocks:{g}", sizes.encoders + sizes.vae, g, False) for g in GROUPS]
+        if tiled:
+            out += [(f"blocks:{g}+tiled", sizes.encoders + sizes.vae, g, True) for g in GROUPS]
     return out
 
 
-def peak(sizes: Sizes, visiting: tuple[str, ...], group: int | None, prefetch: bool = True) -> int:
+def peak(
+    sizes: Sizes, visiting: tuple[str, ...], group: int | None, prefetch: bool = True, tiled: bool = False
+) -> int:
     """Estimated peak device bytes of one plan (module docstring)."""
     streamed = {t: b for t, b in sizes.blocks.items() if b} if group else {}
     resident = 0
@@ -110,7 +136,8 @@ def peak(sizes: Sizes, visiting: tuple[str, ...], group: int | None, prefetch: b
         largest = sorted(windows, reverse=True)[: 2 if prefetch else 1]
         groups = max(groups, sum(largest))
     moments = [groups + sizes.activations]  # a transformer call (with its streamed groups)
-    for names, extra in ((sizes.encoders, sizes.encode_activations), (sizes.vae, sizes.decode_activations)):
+    decode = sizes.decode_tiled_activations if tiled else sizes.decode_activations
+    for names, extra in ((sizes.encoders, sizes.encode_activations), (sizes.vae, decode)):
         for name in names:  # an encoder encoding, the VAE decoding: with its own bytes when it visits
             moments.append(extra + (sizes.components[name] if name in visiting else 0))
     return resident + max(moments)
@@ -134,16 +161,18 @@ def plan(
     usable = None if budget is None else int(budget * (1 - headroom))
     kept = "" if not headroom else f" ({gib(usable or 0)} after {headroom:.0%} headroom)"
     if forced is not None:
-        chosen = [
-            o for o in options if o[0] == forced or (forced.startswith("blocks:") and o[0] == "blocks:1")
-        ]
+        base = forced.removesuffix("+tiled")
+        group = int(base.partition(":")[2]) if base.startswith("blocks:") else None
+        lookup = ("blocks:1" if group else base) + forced[len(base) :]
+        chosen = [o for o in options if o[0] == lookup]
         if not chosen:
             names = ", ".join(o[0] for o in options)
             raise SdkilnError(f"memory plan {forced!r} does not apply to this pipeline; it has {names}")
-        name, visiting, group = chosen[0]
-        if forced.startswith("blocks:"):
-            name, group = forced, int(forced.partition(":")[2])
-        p = Plan(name, visiting, group, peak(sizes, visiting, group, prefetch), budget, prefetch)
+        _, visiting, _, tiled = chosen[0]
+        name = forced
+        p = Plan(
+            name, visiting, group, peak(sizes, visiting, group, prefetch, tiled), budget, prefetch, tiled
+        )
         if usable is not None and p.peak > usable:
             raise SdkilnError(
                 f"memory plan {name} needs about {gib(p.peak)} of device memory, more than the {gib(budget)} "
@@ -153,12 +182,13 @@ def plan(
     if budget is None:
         raise SdkilnError("a memory plan needs a device budget or a plan name")
     estimates = [
-        (name, visiting, group, peak(sizes, visiting, group, prefetch)) for name, visiting, group in options
+        (name, visiting, group, tiled, peak(sizes, visiting, group, prefetch, tiled))
+        for name, visiting, group, tiled in options
     ]
-    for name, visiting, group, need in estimates:
+    for name, visiting, group, tiled, need in estimates:
         if need <= usable:
-            return Plan(name, visiting, group, need, budget, prefetch)
-    name, _, _, need = min(estimates, key=lambda e: e[3])
+            return Plan(name, visiting, group, need, budget, prefetch, tiled)
+    name, *_, need = min(estimates, key=lambda e: e[4])
     raise SdkilnError(
         f"no memory plan fits a {gib(budget)} device budget{kept}: the smallest, {name}, needs about {gib(need)}"
     )

@@ -16,6 +16,7 @@ resident run's bit for bit.
   starts the next group's copy on a side stream; the next group waits for that copy before it
   computes); the group's last block offloads it. After the last group, the first is prefetched for
   the next call.
+* A ``+tiled`` plan turns on the VAE's tiled decode (``tile_decode``), whether the VAE visits or not.
 
 Counters (``Residency.onloads``) say what moved; ``Residency.plan`` says which plan ran.
 """
@@ -30,7 +31,7 @@ import torch
 from torch import nn
 
 from sdkiln.runtime.memory.plan import Plan
-from sdkiln.runtime.memory.sizes import block_lists
+from sdkiln.runtime.memory.sizes import VAE_TILE, block_lists
 
 KEPT = ("lora_a", "lora_b", "lora_scale")
 """Buffers that stay where they are: the LoRA branch's, written in place at any time."""
@@ -119,6 +120,8 @@ def apply(
             _visit_methods(component, unit, ("encode", "decode"))
         else:
             res.handles += _visit_forward(component, unit)
+    if plan.vae_tiled:
+        tile_decode(pipeline.vae)
     if plan.blocks_per_group:
         stream = torch.cuda.Stream(device) if plan.prefetch and device.type == "cuda" else None
         for attr in transformer_attrs:
@@ -127,6 +130,27 @@ def apply(
             )
     pipeline.to(device)
     return res
+
+
+def tile_decode(vae: nn.Module) -> None:
+    """The VAE decodes in tiles of ``VAE_TILE`` pixels, 192 apart: diffusers' tiling, which an
+    ``AutoencoderKL`` sizes from its config's ``sample_size`` (1024 for FLUX's, no tiling at 1024x1024)
+    and the video VAEs take as arguments."""
+    from diffusers import AutoencoderKL
+
+    if isinstance(vae, AutoencoderKL):
+        vae.tile_sample_min_size = VAE_TILE
+        vae.tile_latent_min_size = VAE_TILE // 2 ** (len(vae.config.block_out_channels) - 1)
+        vae.tile_overlap_factor = 0.25
+        vae.enable_tiling()
+    else:
+        stride = VAE_TILE * 3 // 4
+        vae.enable_tiling(
+            tile_sample_min_height=VAE_TILE,
+            tile_sample_min_width=VAE_TILE,
+            tile_sample_stride_height=stride,
+            tile_sample_stride_width=stride,
+        )
 
 
 def _visit_forward(module: nn.Module, unit: Unit) -> list[Any]:

@@ -1,12 +1,19 @@
 """What the planner needs from a pipeline: bytes per component and per transformer block, and the
 activation estimates of a call at the deployment's size.
 
-The activation estimates are rough, and stated as such in every plan: a transformer call keeps
-about 8 tensors of the model's width (its most common linear input) and 2 of its widest layer's
-input alive for every token of both CFG rows, in the model's dtype; a VAE decode keeps about two 128-channel
-float32 feature maps at full resolution for up to 4 frames at once (the causal video VAEs decode a
-few frames at a time). A text encoder's activations are small next to its weights and counted as
-1/8 of them.
+The activation estimates are rough, stated as such in every plan, and checked against what a resident
+run measures on this machine's CPU (``bench/memory_table.py``, docs/memory.md):
+
+* a transformer call keeps about 8 tensors of the model's width (its most common linear input) and 2
+  of its widest layer's input alive for every token of every row it computes, in the model's dtype:
+  one row where classifier-free guidance runs its branches as separate calls (``spec.cfg_calls``:
+  FLUX, Wan) or not at all, two where one call batches both (SD3);
+* a VAE decode keeps about 4 KiB per output pixel for an image VAE (four 256-channel float32 maps at
+  full resolution), and about 5.5 KiB per pixel of each of up to 4 frames for a video VAE, which
+  decodes a few frames at a time;
+* decoding in tiles of ``VAE_TILE`` pixels, it keeps one tile's maps and about three float32 copies
+  of the output (the decoded tiles before blending, the blend, the result);
+* a text encoder's activations are small next to its weights and counted as 1/8 of them.
 """
 
 from __future__ import annotations
@@ -53,9 +60,37 @@ def call_activation_bytes(rows: int, n_tokens: int, hidden: int, widest: int, dt
     return rows * n_tokens * (8 * hidden + 2 * widest) * dtype_size
 
 
+def call_rows(spec: Any) -> int:
+    """The rows of one transformer call: CFG's two branches in one call, unless the family runs them
+    as separate calls (``cfg_calls``) or takes its guidance from a guider (separate calls too)."""
+    return 1 if spec.cfg_calls or spec.guidance_arg is None else 2
+
+
+IMAGE_DECODE_BYTES_PER_PIXEL = 4096
+"""Measured 1.01 GB at 512x512 on FLUX.1-dev's VAE (``bench/memory_table.py``): about 3.9 KiB."""
+VIDEO_DECODE_BYTES_PER_PIXEL = 5632
+"""Per pixel of each of 4 frames: measured 8.65 GB at 480x832, 9 frames, on Wan2.1's VAE: 5.3 KiB."""
+VAE_TILE = 256
+"""A tiled decode's tile, in pixels, with tiles 192 apart (diffusers' video VAEs' default; an
+``AutoencoderKL`` is set to it: ``runtime.memory.residency``)."""
+
+
 def decode_activation_bytes(call: dict[str, Any]) -> int:
+    per_pixel = (
+        IMAGE_DECODE_BYTES_PER_PIXEL if call.get("num_frames") is None else VIDEO_DECODE_BYTES_PER_PIXEL
+    )
     frames = min(int(call.get("num_frames") or 1), 4)
-    return int(call.get("height", 0)) * int(call.get("width", 0)) * frames * 128 * 4 * 2
+    return int(call.get("height", 0)) * int(call.get("width", 0)) * frames * per_pixel
+
+
+def tiled_decode_bytes(call: dict[str, Any], vae_class: type | None) -> int:
+    """The decode's activations in tiles of ``VAE_TILE``; 0 when the VAE cannot tile (no
+    ``enable_tiling``) or the output is one tile."""
+    height, width = int(call.get("height", 0)), int(call.get("width", 0))
+    if vae_class is None or not hasattr(vae_class, "enable_tiling") or max(height, width) <= VAE_TILE:
+        return 0
+    tile = {**call, "height": min(height, VAE_TILE), "width": min(width, VAE_TILE)}
+    return decode_activation_bytes(tile) + 3 * height * width * int(call.get("num_frames") or 1) * 3 * 4
 
 
 def sizes_of(pipeline: Any, spec: Any, transformer_attrs: tuple[str, ...], call: dict[str, Any]) -> Sizes:
@@ -91,7 +126,12 @@ def sizes_from(
         vae=tuple(n for n in nbytes if n in VAE_NAMES),
         transformers=tuple(transformer_attrs),
         blocks=blocks,
-        activations=call_activation_bytes(2, tokens(spec, call), hidden, max(widths, default=0), dtype_size),
+        activations=call_activation_bytes(
+            call_rows(spec), tokens(spec, call), hidden, max(widths, default=0), dtype_size
+        ),
         encode_activations=max((nbytes[n] // 8 for n in encoders), default=0),
         decode_activations=decode_activation_bytes(call),
+        decode_tiled_activations=sum(
+            tiled_decode_bytes(call, type(components[n])) for n in nbytes if n in VAE_NAMES
+        ),
     )

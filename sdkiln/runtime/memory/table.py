@@ -1,6 +1,8 @@
 """A package's memory table, read from its manifest and safetensors headers alone (nothing loaded):
 per component the bytes on disk and in memory, the deployment's activation estimates, each residency
-plan's estimated peak and the smallest budget it fits, and what ``optimize`` measured where it ran.
+plan's estimated peak and the smallest budget it fits, and what ``optimize`` measured where it ran
+(its peak host and device bytes; on a GPU, the device peak of the quality report's generation, the
+phase that runs the package as deployed).
 ``sdkiln inspect`` prints it; the model card carries it."""
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ from sdkiln.runtime.memory.sizes import (
     ENCODER_PREFIXES,
     VAE_NAMES,
     call_activation_bytes,
+    call_rows,
     decode_activation_bytes,
+    tiled_decode_bytes,
     tokens,
 )
 from sdkiln.runtime.package import Package
@@ -26,7 +30,7 @@ REPORT = "report/optimize.json"
 def package_sizes(pkg: Package, spec: Any, call: dict[str, Any]) -> tuple[Sizes, dict[str, int]]:
     """The planner's ``Sizes`` of a package at ``call``'s size, and each component's bytes on disk."""
     m = pkg.manifest
-    attr = m["model"]["transformer_attr"]
+    attrs = (m["model"]["transformer_attr"], *m.get("experts", {}))  # Wan2.2-A14B's transformer_2 too
     index = pkg.read_json("model_index.json")
     names = [n for n, v in index.items() if not n.startswith("_") and isinstance(v, list) and v[0]]
     memory, disk, infos = {}, {}, {}
@@ -37,23 +41,27 @@ def package_sizes(pkg: Package, spec: Any, call: dict[str, Any]) -> tuple[Sizes,
         infos[name] = stored_infos(pkg, name)
         memory[name] = sum(i.end - i.start for i in infos[name].values())
         disk[name] = sum(m["files"][rel]["size"] for rel in files)
-    blocks: dict[str, int] = {}
+    blocks: dict[str, list[int]] = {}
     widths: Counter[int] = Counter()
     dtypes: Counter[int] = Counter()
-    for key, info in infos.get(attr, {}).items():
-        parts = key.split(".")
-        if len(parts) > 2 and parts[1].isdigit():
-            blocks[f"{parts[0]}.{parts[1]}"] = blocks.get(f"{parts[0]}.{parts[1]}", 0) + info.end - info.start
-        if key.endswith(".weight") and len(info.shape) == 2:
-            widths[info.shape[1]] += 1
-        torch_dtype = DTYPES.get(info.dtype)
-        if torch_dtype is not None and torch_dtype.is_floating_point:
-            dtypes[torch_dtype.itemsize] += info.numel
-    lists = Counter(k.split(".")[0] for k in blocks)
-    ordered = sorted(
-        (k for k in blocks if lists[k.split(".")[0]] >= 2),
-        key=lambda k: (k.split(".")[0], int(k.split(".")[1])),
-    )
+    for attr in attrs:
+        per_block: dict[str, int] = {}
+        for key, info in infos.get(attr, {}).items():
+            parts = key.split(".")
+            if len(parts) > 2 and parts[1].isdigit():
+                block = f"{parts[0]}.{parts[1]}"
+                per_block[block] = per_block.get(block, 0) + info.end - info.start
+            if key.endswith(".weight") and len(info.shape) == 2:
+                widths[info.shape[1]] += 1
+            torch_dtype = DTYPES.get(info.dtype)
+            if torch_dtype is not None and torch_dtype.is_floating_point:
+                dtypes[torch_dtype.itemsize] += info.numel
+        lists = Counter(k.split(".")[0] for k in per_block)
+        ordered = sorted(
+            (k for k in per_block if lists[k.split(".")[0]] >= 2),
+            key=lambda k: (k.split(".")[0], int(k.split(".")[1])),
+        )
+        blocks[attr] = [per_block[k] for k in ordered]
     encoders = tuple(n for n in memory if n.startswith(ENCODER_PREFIXES))
     hidden = widths.most_common(1)[0][0] if widths else 0
     dtype_size = dtypes.most_common(1)[0][0] if dtypes else 2
@@ -61,13 +69,28 @@ def package_sizes(pkg: Package, spec: Any, call: dict[str, Any]) -> tuple[Sizes,
         components=memory,
         encoders=encoders,
         vae=tuple(n for n in memory if n in VAE_NAMES),
-        transformers=(attr,),
-        blocks={attr: [blocks[k] for k in ordered]},
-        activations=call_activation_bytes(2, tokens(spec, call), hidden, max(widths, default=0), dtype_size),
+        transformers=attrs,
+        blocks=blocks,
+        activations=call_activation_bytes(
+            call_rows(spec), tokens(spec, call), hidden, max(widths, default=0), dtype_size
+        ),
         encode_activations=max((memory[n] // 8 for n in encoders), default=0),
         decode_activations=decode_activation_bytes(call),
+        decode_tiled_activations=sum(
+            tiled_decode_bytes(call, _vae_class(index[n])) for n in memory if n in VAE_NAMES
+        ),
     )
     return sizes, disk
+
+
+def _vae_class(entry: Any) -> type | None:
+    """The VAE's diffusers class named in ``model_index.json``, for whether it can decode in tiles."""
+    import diffusers
+
+    cls = (
+        getattr(diffusers, entry[1], None) if entry[0] == "diffusers" and isinstance(entry[1], str) else None
+    )
+    return cls if isinstance(cls, type) else None
 
 
 def deployment_call(pkg: Package) -> tuple[Any, dict[str, Any]]:
@@ -92,8 +115,8 @@ def memory_table(pkg: Package) -> dict[str, Any]:
     spec, call = deployment_call(pkg)
     sizes, disk = package_sizes(pkg, spec, call)
     plans = {}
-    for name, visiting, group in candidates(sizes):
-        need = peak(sizes, visiting, group)
+    for name, visiting, group, tiled in candidates(sizes):
+        need = peak(sizes, visiting, group, tiled=tiled)
         plans[name] = {"peak_bytes": need, "budget_bytes": int(need / (1 - HEADROOM)) + 1}
     measured = {}
     if REPORT in pkg.manifest["files"]:
@@ -103,6 +126,12 @@ def memory_table(pkg: Package) -> dict[str, Any]:
             for k in ("device", "peak_host_bytes", "peak_device_bytes")
             if isinstance(report, dict)
         }
+        phases = report.get("phases") if isinstance(report, dict) else None
+        generation = [
+            p for p in phases or [] if isinstance(p, dict) and p.get("name") == "report: optimized model"
+        ]
+        if generation and isinstance(generation[0].get("peak_device_bytes"), int):
+            measured["report_generation_peak_device_bytes"] = generation[0]["peak_device_bytes"]
     return {
         "deployment": {k: call.get(k) for k in ("height", "width", "num_frames", "max_sequence_length")},
         "components": {
@@ -113,6 +142,7 @@ def memory_table(pkg: Package) -> dict[str, Any]:
             "transformer_call_activation_bytes": sizes.activations,
             "encode_activation_bytes": sizes.encode_activations,
             "decode_activation_bytes": sizes.decode_activations,
+            "decode_tiled_activation_bytes": sizes.decode_tiled_activations,
             "transformer_blocks": len(sizes.blocks[sizes.transformers[0]]),
         },
         "plans": plans,
@@ -140,8 +170,10 @@ def table_lines(table: dict[str, Any]) -> list[str]:
     measured = table.get("optimize_measured") or {}
     if measured.get("peak_host_bytes") or measured.get("peak_device_bytes"):
         device = measured.get("peak_device_bytes")
+        generation = measured.get("report_generation_peak_device_bytes")
         lines.append(
             f"optimize measured on {measured.get('device')}: peak host {gib(measured['peak_host_bytes'] or 0)}"
             + (f", peak device {gib(device)}" if device else "")
+            + (f" (the quality report's generation: {gib(generation)})" if generation else "")
         )
     return lines
