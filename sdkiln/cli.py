@@ -165,7 +165,12 @@ def cmd_inspect(args) -> int:
         layers = ", ".join(f"{n} layers {scheme}" for scheme, n in te["schemes"].items()) or "float"
         sqnr = te["sqnr_db"]
         gate = f"{sqnr:.1f} dB" if isinstance(sqnr, float) else str(sqnr)
-        print(f"text encoder {name}: {layers} (conditioning SQNR {gate}; {te['decision']})")
+        why = str(te["decision"]).removeprefix("float: ")
+        print(
+            f"text encoder {name}: {layers} (conditioning SQNR {gate})"
+            if te["schemes"]
+            else f"text encoder {name}: float ({why})"
+        )
     lora = summary["lora_layers"]
     print(
         f"LoRA: a runtime LoRA may target {lora['quantized'] + lora['float']} layers ({lora['quantized']} quantized, "

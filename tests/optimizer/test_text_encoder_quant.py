@@ -129,7 +129,7 @@ def test_the_gate_read_what_the_loaded_encoders_give(flux):
         assert _sqnr(pairs()) == pytest.approx(record["encoders"][name]["output_sqnr_db"], abs=1e-9)
 
 
-def test_below_its_floor_an_encoder_stays_float_with_a_warning(tmp_path):
+def test_below_its_floor_an_encoder_stays_float_with_a_warning(tmp_path, capsys):
     recipe = RecipeConfig("te", [TextEncoderQuantConfig(encoders=("text_encoder_2",), sqnr_floor_db=90.0)])
     with pytest.warns(
         UserWarning,
@@ -143,6 +143,12 @@ def test_below_its_floor_an_encoder_stays_float_with_a_warning(tmp_path):
     ) == ["text_encoder_2"]
     assert not any(isinstance(m, QuantLinear) for m in result.pipeline.text_encoder_2.modules())
     assert isinstance(sdkiln.load(tmp_path / "pkg", device="cpu").text_encoder_2.shared, nn.Embedding)
+    from sdkiln.cli import main
+
+    assert main(["inspect", str(tmp_path / "pkg")]) == 0
+    assert (
+        "text encoder text_encoder_2: float (the transformer's conditioning keeps" in capsys.readouterr().out
+    )
 
 
 def test_a_pipeline_object_keeps_its_float_encoders():
