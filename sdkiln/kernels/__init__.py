@@ -15,6 +15,7 @@ from sdkiln.kernels.ops.int8 import (
     w8a8_static_linear_from_float,
 )
 from sdkiln.kernels.ops.norm import layer_norm_modulate, rms_norm
+from sdkiln.kernels.ops.quantized_attention import quantized_attention
 from sdkiln.kernels.ops.rope import rope
 from sdkiln.kernels.ops.sparse_attention import block_sparse_attention
 from sdkiln.kernels.ops.weight_only import weight_only_linear
@@ -50,6 +51,7 @@ __all__ = [
     "op_names",
     "quantize_per_tensor_int8",
     "quantize_per_token_int8",
+    "quantized_attention",
     "register_kernel",
     "remove_kernel",
     "reset_kernel_counts",

@@ -1,6 +1,6 @@
 """The ``sdkiln`` ops, one module per op family: schema, checks, pure-torch reference, fake and
 wrapper side by side (``elementwise``, ``norm``, ``rope``, ``attention``, ``int8``, ``fp8``,
-``weight_only``, ``fused`` (norm + quantize), ``sparse_attention``, ``lora`` (a LoRA branch added to a
+``weight_only``, ``fused`` (norm + quantize), ``sparse_attention``, ``quantized_attention``, ``lora`` (a LoRA branch added to a
 layer's output)). Importing this package defines every op (``sdkiln.kernels.registry``).
 
 The references are the CPU implementation, the fallback on any device without a kernel that
@@ -24,6 +24,7 @@ from sdkiln.kernels.ops import (
     int8,
     lora,
     norm,
+    quantized_attention,
     rope,
     sparse_attention,
     weight_only,
@@ -37,6 +38,7 @@ __all__ = [
     "int8",
     "lora",
     "norm",
+    "quantized_attention",
     "rope",
     "sparse_attention",
     "weight_only",

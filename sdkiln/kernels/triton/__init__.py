@@ -20,4 +20,13 @@ autotune configurations per GPU generation).
 from sdkiln.kernels.triton import attention, elementwise, gemm, lora, rows
 from sdkiln.kernels.triton.configs import KERNEL_NAME
 
-__all__ = ["KERNEL_NAME", "attention", "elementwise", "gemm", "lora", "rows"]
+REFERENCE_ONLY = {
+    "quantized_attention": (
+        "no Triton kernel yet: the flash-structured INT8 QK^T / FP8 PV kernel is the next part of issue 36; "
+        "on CUDA the op runs its reference (float64 products: correct, slow)"
+    ),
+}
+"""Ops without a Triton kernel, each with why: they run their reference on CUDA
+(``tests/kernels/test_triton_kernels.py`` checks that no op is left out silently)."""
+
+__all__ = ["KERNEL_NAME", "REFERENCE_ONLY", "attention", "elementwise", "gemm", "lora", "rows"]

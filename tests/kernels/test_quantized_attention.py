@@ -1,0 +1,145 @@
+"""``sdkiln::quantized_attention``'s reference (issue 36's oracle): its exact parts, its properties,
+and its error against float attention on random tensors and on the embedded model's captured Q/K/V.
+
+Tolerances, stated once:
+* ``RANDOM_SQNR_DB``: against float attention (``sdkiln::attention``) on Gaussian q, k, v with a
+  per-channel offset on k, 300 tokens, D = 64: INT8 QK^T with FP8 PV measured 28.5 dB, FP8/FP8 25.6;
+* ``MODEL_SQNR_DB`` = 25 dB: the issue's bound on the embedded model's captured Q/K/V;
+* the smoothing's invariance: a per-channel offset added to k changes the output by float32 rounding
+  only (``SMOOTH_SQNR_DB`` = 60 dB), where without smoothing it would move K's int8 grid.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from sdkiln import kernels as K
+from sdkiln.kernels.ops.quantized_attention import (
+    PV_FORMATS,
+    QK_FORMATS,
+    hadamard,
+    qk_logits_int,
+    quantize_blocks,
+)
+from sdkiln.metrics import sqnr_db
+
+RANDOM_SQNR_DB = {
+    ("int8", "fp8"): 27.0,
+    ("int8", "int8"): 30.0,
+    ("int8", "float"): 35.0,
+    ("fp8", "fp8"): 24.0,
+}
+MODEL_SQNR_DB = 25.0
+SMOOTH_SQNR_DB = 60.0
+
+
+def _qkv(seed: int = 0, s: int = 300, h: int = 4, d: int = 64):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(1, s, h, d, generator=g) for _ in range(3))
+    return q, k + 3 * torch.randn(1, 1, h, d, generator=g), v
+
+
+@pytest.mark.parametrize("qk, pv", list(RANDOM_SQNR_DB))
+@pytest.mark.parametrize("rotate", [False, True])
+def test_against_float_attention(qk, pv, rotate):
+    q, k, v = _qkv()
+    ref, ref_lse = K.attention(q, k, v)
+    K.reset_kernel_counts()
+    out, lse = K.quantized_attention(q, k, v, None, None, qk, pv, rotate)
+    assert K.kernel_counts()[("quantized_attention", "cpu", "reference")] == 1
+    assert out.dtype == q.dtype and out.shape == ref.shape and lse.shape == ref_lse.shape
+    assert sqnr_db(ref, out) >= RANDOM_SQNR_DB[(qk, pv)]
+    # the lse is the unsmoothed logits' (the smoothing's shift added back): ring attention merges on it
+    assert (lse - ref_lse).abs().max() < 0.1
+
+
+def test_the_integer_logits_are_exact_and_the_reference_is_reproducible():
+    q, k, _ = _qkv(s=200)
+    qh, kh = (t.transpose(1, 2) for t in (q, k))
+    q_q, q_s = quantize_blocks(qh, 128, "int8")
+    k_q, k_s = quantize_blocks(kh, 64, "int8")
+    assert q_q.dtype == torch.int8 and int(q_q.abs().max()) == 127 and q_s.shape == (1, 4, 200, 1)
+    assert torch.equal(q_s[:, :, :128], q_s[:, :, :1].expand(-1, -1, 128, -1))  # one scale per block of 128
+    exact = q_q.long() @ k_q.long().transpose(-1, -2)  # int64: exact by construction
+    assert torch.equal(qk_logits_int(q_q, k_q), exact.double())
+    first = K.quantized_attention(*_qkv(), None, None, "int8", "fp8", True)
+    again = K.quantized_attention(*_qkv(), None, None, "int8", "fp8", True)
+    assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
+
+
+def test_smoothing_makes_a_channel_offset_on_k_free_and_rotation_is_orthonormal():
+    q, k, v = _qkv()
+    shifted = k + 50 * torch.randn(1, 1, 4, 64, generator=torch.Generator().manual_seed(1))
+    base = K.quantized_attention(q, k, v, None, None, "int8", "float", False)[0]
+    moved = K.quantized_attention(q, shifted, v, None, None, "int8", "float", False)[0]
+    assert sqnr_db(base, moved) >= SMOOTH_SQNR_DB
+    r = hadamard(64)
+    assert torch.allclose(r @ r.T, torch.eye(64), atol=1e-6)
+    with pytest.raises(ValueError, match="power-of-two head dimension"):
+        K.quantized_attention(
+            torch.randn(1, 4, 1, 48), torch.randn(1, 4, 1, 48), torch.randn(1, 4, 1, 48), rotate=True
+        )
+
+
+def test_masks_and_bad_arguments():
+    q, k, v = _qkv(s=40)
+    keep = torch.ones(1, 1, 40, 40, dtype=torch.bool)
+    keep[..., 30:] = False
+    keep[..., 5, :] = False  # query 5 attends to nothing
+    out, lse = K.quantized_attention(q, k, v, keep, None, "int8", "fp8", False)
+    ref, _ = K.attention(q, k, v, keep)
+    assert torch.equal(out[:, 5], torch.zeros_like(out[:, 5])) and bool(torch.isinf(lse[:, 5]).all())
+    assert sqnr_db(ref, out) >= RANDOM_SQNR_DB[("int8", "fp8")]
+    for qk, pv, match in [("int4", "fp8", "qk must be one of"), ("int8", "bf16", "pv must be one of")]:
+        with pytest.raises(ValueError, match=match):
+            K.quantized_attention(q, k, v, None, None, qk, pv, False)
+    meta = K.quantized_attention(*(t.to("meta") for t in (q, k, v)))  # the fake
+    assert meta[0].shape == q.shape and meta[1].shape == q.shape[:-1]
+    assert set(QK_FORMATS) == {"int8", "fp8"} and set(PV_FORMATS) == {"fp8", "int8", "float"}
+
+
+def test_on_the_embedded_models_captured_attention(monkeypatch, capsys):
+    """Q, K, V of every attention call of the embedded model's transformer over 4 denoising steps (one
+    prompt, both CFG branches: 8 calls of its 6 attention layers, head dim 32, rotated): INT8 QK^T with
+    FP8 PV, and FP8/FP8, against float attention on the same tensors, the lowest per layer. Measured:
+    INT8/FP8 35.6, 38.3, 33.4, 37.8, 36.1, 39.4 dB; FP8/FP8 30.6, 33.7, 28.8, 33.4, 31.3, 36.2 dB."""
+    from sdkiln.model_zoo import get_spec
+    from sdkiln.runtime.attention import route_attention, unroute_attention
+
+    spec = get_spec("fmnist-flux")
+    pipe = spec.build()
+    dense = K.attention
+    calls: list = []
+    forwards: list = []
+
+    def record(q, k, v, mask=None, scale=None):
+        calls.append((q.clone(), k.clone(), v.clone(), mask, scale))
+        return dense(q, k, v, mask, scale)
+
+    route_attention(pipe.transformer, spec, "sdkiln")
+    monkeypatch.setattr(K, "attention", record)
+    handle = pipe.transformer.register_forward_pre_hook(lambda *_: forwards.append(1))
+    try:
+        call = spec.call_kwargs(num_inference_steps=4)
+        with torch.inference_mode():
+            pipe(prompt="a photo of a sneaker", generator=torch.Generator().manual_seed(0), **call)
+    finally:
+        handle.remove()
+        unroute_attention(pipe.transformer)
+    layers = len(calls) // len(forwards)
+    assert layers * len(forwards) == len(calls) and layers >= 1
+    per_layer: dict[tuple[str, str], list[float]] = {}
+    for i, (q, k, v, mask, scale) in enumerate(calls):
+        ref, _ = dense(q, k, v, mask, scale)
+        power_of_two = q.shape[-1] & (q.shape[-1] - 1) == 0
+        for qk, pv in (("int8", "fp8"), ("fp8", "fp8")):
+            out, _ = K.quantized_attention(q, k, v, mask, scale, qk, pv, power_of_two)
+            lowest = per_layer.setdefault((qk, pv), [math.inf] * layers)
+            lowest[i % layers] = min(lowest[i % layers], sqnr_db(ref, out))
+    print(f"{len(forwards)} transformer calls x {layers} attention layers, head dim {calls[0][0].shape[-1]}")
+    for formats, values in per_layer.items():
+        print(f"  {'/'.join(formats)}: lowest SQNR per layer {[round(x, 1) for x in values]} dB")
+    assert all(x >= MODEL_SQNR_DB for values in per_layer.values() for x in values), per_layer
