@@ -268,12 +268,15 @@ def optimize(
             # from_pipe, which casts every component to one dtype (float32 by default)
             params = inspect.signature(type(base).__init__).parameters
             settings = {k: v for k, v in base.config.items() if k in params and k not in base.components}
-            # the transformers, and any text encoder a recipe step changes, are the optimized pipeline's own
-            changed = [
-                *attrs,
-                *(n for n in base.components if n.startswith("text_encoder") and encoders_changed),
-            ]
-            copies = {a: copy.deepcopy(getattr(base, a)) for a in changed if getattr(base, a) is not None}
+            # the transformers, and the text encoders where a recipe step changes them, are the copy's own
+            encoders = (
+                [n for n in base.components if n.startswith("text_encoder")] if encoders_changed else []
+            )
+            copies = {
+                a: copy.deepcopy(getattr(base, a))
+                for a in [*attrs, *encoders]
+                if getattr(base, a) is not None
+            }
             optimized = type(base)(**{**base.components, **settings, **copies})
             kept_base = base
         ctx = TransformContext(pipeline=optimized, spec=spec, forward_loop=forward_loop, recipe=recipe)
@@ -294,8 +297,7 @@ def optimize(
                 )
             steps, modules, files, sections = [], {}, {}, {}
             for config in recipe.steps:
-                # the step on each transformer in turn, each on the steps it runs (or once: text encoders)
-                for a in attrs if config.per_transformer else (attr,):
+                for a in ctx.transformers_of(config):  # each on the steps it runs
                     label = ctx.step_label(config, a)
                     counts = [p.forwards for p in plan.phases if p.name.split(":")[0] == label]
                     result = meter.run(

@@ -207,8 +207,7 @@ def make_plan(
     optimized in place) and its memory estimate."""
     phases: list[Phase] = []
     for config in recipe_steps:
-        # each step runs on each transformer in turn (a step that changes no transformer, once)
-        for attr in ctx.spec.transformer_attrs if config.per_transformer else (ctx.spec.transformer_attr,):
+        for attr in ctx.transformers_of(config):
             label = ctx.step_label(config, attr)
             for phase in step_phases(ctx.for_transformer(attr), config):
                 phase.name = label if phase.name == config.kind else f"{label}: {phase.name}"

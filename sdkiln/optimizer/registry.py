@@ -36,6 +36,11 @@ class TransformContext:
             return self
         return replace(self, spec=replace(self.spec, transformer_attr=attr, experts=()))
 
+    def transformers_of(self, step: RecipeStep) -> tuple[str, ...]:
+        """The transformers a step runs on, in turn: each of the pipeline's, or, for a step that changes
+        other components (``per_transformer`` False), only the main one's pass."""
+        return self.spec.transformer_attrs if step.per_transformer else (self.spec.transformer_attr,)
+
     def step_label(self, step: RecipeStep, attr: str) -> str:
         """A recipe step's name in the plan and the progress bars: its kind, followed by the
         transformer it works on when the pipeline has several (``w8a8_dynamic [transformer_2]``)."""

@@ -101,7 +101,7 @@ def test_masks_and_bad_arguments():
     assert set(QK_FORMATS) == {"int8", "fp8"} and set(PV_FORMATS) == {"fp8", "int8", "float"}
 
 
-def test_on_the_embedded_models_captured_attention(monkeypatch, capsys):
+def test_on_the_embedded_models_captured_attention(monkeypatch):
     """Q, K, V of every attention call of the embedded model's transformer over 4 denoising steps (one
     prompt, both CFG branches: 8 calls of its 6 attention layers, head dim 32, rotated): INT8 QK^T with
     FP8 PV, and FP8/FP8, against float attention on the same tensors, the lowest per layer. Measured:

@@ -118,20 +118,44 @@ def sizes_from(
         widths.update(int(m.in_features) for m in transformer.modules() if hasattr(m, "in_features"))
         floats = [p for p in transformer.parameters() if p.is_floating_point() and p.device.type != "meta"]
         dtype_size = floats[0].element_size() if floats else 2
+    return sizes_at(
+        nbytes,
+        spec,
+        call,
+        tuple(transformer_attrs),
+        blocks,
+        widths,
+        dtype_size,
+        lambda n: type(components[n]),
+    )
+
+
+def sizes_at(
+    nbytes: dict[str, int],
+    spec: Any,
+    call: dict[str, Any],
+    transformer_attrs: tuple[str, ...],
+    blocks: dict[str, list[int]],
+    widths: Counter[int],
+    dtype_size: int,
+    vae_class: Callable[[Any], type | None],
+) -> Sizes:
+    """``Sizes`` from what a pipeline or a package says of itself: each component's bytes, each
+    transformer's block bytes, its linears' input widths and its float dtype's size; ``vae_class``
+    maps the VAE's entry (the module, or its ``model_index.json`` entry) to its class."""
     hidden = widths.most_common(1)[0][0] if widths else 0
     encoders = tuple(n for n in nbytes if n.startswith(ENCODER_PREFIXES))
+    vae = tuple(n for n in nbytes if n in VAE_NAMES)
     return Sizes(
         components=nbytes,
         encoders=encoders,
-        vae=tuple(n for n in nbytes if n in VAE_NAMES),
-        transformers=tuple(transformer_attrs),
+        vae=vae,
+        transformers=transformer_attrs,
         blocks=blocks,
         activations=call_activation_bytes(
             call_rows(spec), tokens(spec, call), hidden, max(widths, default=0), dtype_size
         ),
         encode_activations=max((nbytes[n] // 8 for n in encoders), default=0),
         decode_activations=decode_activation_bytes(call),
-        decode_tiled_activations=sum(
-            tiled_decode_bytes(call, type(components[n])) for n in nbytes if n in VAE_NAMES
-        ),
+        decode_tiled_activations=sum(tiled_decode_bytes(call, vae_class(n)) for n in vae),
     )

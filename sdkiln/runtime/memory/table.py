@@ -12,15 +12,7 @@ from typing import Any
 
 from sdkiln.runtime.components import stored_infos
 from sdkiln.runtime.memory.plan import HEADROOM, Sizes, candidates, peak
-from sdkiln.runtime.memory.sizes import (
-    ENCODER_PREFIXES,
-    VAE_NAMES,
-    call_activation_bytes,
-    call_rows,
-    decode_activation_bytes,
-    tiled_decode_bytes,
-    tokens,
-)
+from sdkiln.runtime.memory.sizes import sizes_at
 from sdkiln.runtime.package import Package
 from sdkiln.runtime.safetensors_data import DTYPES
 
@@ -62,24 +54,8 @@ def package_sizes(pkg: Package, spec: Any, call: dict[str, Any]) -> tuple[Sizes,
             key=lambda k: (k.split(".")[0], int(k.split(".")[1])),
         )
         blocks[attr] = [per_block[k] for k in ordered]
-    encoders = tuple(n for n in memory if n.startswith(ENCODER_PREFIXES))
-    hidden = widths.most_common(1)[0][0] if widths else 0
     dtype_size = dtypes.most_common(1)[0][0] if dtypes else 2
-    sizes = Sizes(
-        components=memory,
-        encoders=encoders,
-        vae=tuple(n for n in memory if n in VAE_NAMES),
-        transformers=attrs,
-        blocks=blocks,
-        activations=call_activation_bytes(
-            call_rows(spec), tokens(spec, call), hidden, max(widths, default=0), dtype_size
-        ),
-        encode_activations=max((memory[n] // 8 for n in encoders), default=0),
-        decode_activations=decode_activation_bytes(call),
-        decode_tiled_activations=sum(
-            tiled_decode_bytes(call, _vae_class(index[n])) for n in memory if n in VAE_NAMES
-        ),
-    )
+    sizes = sizes_at(memory, spec, call, attrs, blocks, widths, dtype_size, lambda n: _vae_class(index[n]))
     return sizes, disk
 
 
