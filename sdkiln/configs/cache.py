@@ -21,8 +21,9 @@ class CacheAutoConfig(RecipeStep):
     confirmations (``refine_tries`` neighbours per round) refine the cheapest one meeting the floor.
     The chosen schedule is the cheapest confirmed one whose mean PSNR against the uncached model on
     the calibration samples is at least ``psnr_floor_db`` and whose 5th percentile is at least
-    ``psnr_p5_floor_db``, and which meets the same floor on ``eval_samples`` held-out samples (else
-    the next safer schedule of the front is measured there, up to ``held_out_retries`` times).
+    ``psnr_p5_floor_db``, and which meets the same floor on ``eval_samples`` held-out samples, its
+    mean less ``held_out_margin_se`` standard errors of that mean (else the next safer schedule of the
+    front is measured there, up to ``held_out_retries`` times).
     """
 
     kind: ClassVar[str] = "cache_auto"
@@ -41,6 +42,10 @@ class CacheAutoConfig(RecipeStep):
     held_out_retries: int = 2
     """When the chosen schedule misses the floor on the held-out samples, up to this many safer schedules
     of the confirmed front are measured there too, the first that meets it chosen."""
+    held_out_margin_se: float = 1.0
+    """The held-out check asks the mean PSNR less this many standard errors of the mean (the samples'
+    standard deviation over the square root of their count) to meet the floor: a mean of eight samples
+    whose PSNRs spread by 4 dB is uncertain by about 1.4 dB. 0 checks the mean alone."""
     guard: bool = False
     """Ship a guard (``runtime.cache.guard``): a reuse step whose stack input changed more than
     ``guard_quantile`` of the calibration samples' change at that step times ``guard_margin`` runs full."""
@@ -64,5 +69,7 @@ class CacheAutoConfig(RecipeStep):
             raise ValueError("calib_samples and eval_samples must be >= 1")
         if self.budgets < 1 or self.refine < 0 or self.refine_tries < 1 or self.held_out_retries < 0:
             raise ValueError("need budgets >= 1, refine >= 0, refine_tries >= 1 and held_out_retries >= 0")
+        if not self.held_out_margin_se >= 0.0:
+            raise ValueError("held_out_margin_se must be >= 0")
         if not 0.0 < self.guard_quantile <= 1.0 or self.guard_margin < 1.0:
             raise ValueError("need 0 < guard_quantile <= 1 and guard_margin >= 1")

@@ -4,6 +4,7 @@ import json
 import math
 import re
 
+import numpy as np
 import pytest
 import torch
 
@@ -254,11 +255,13 @@ def test_cache_auto_runs_end_to_end_at_most_what_it_announces(flux_tiny, monkeyp
     )
 
 
+@pytest.mark.parametrize("mean, se", [(-1.0, 0.0), (0.5, 1.0)], ids=["mean", "mean-less-se"])
 def test_a_schedule_that_misses_the_floor_on_held_out_samples_gives_way_to_a_safer_one(
-    flux_tiny, monkeypatch, capsys
+    flux_tiny, monkeypatch, capsys, mean, se
 ):
-    """The first held-out measurement is made to miss the (0 dB) floor: the search measures the
-    front's next safer schedule there and chooses it; ``search.held_out`` keeps both tries."""
+    """The first held-out measurement is made to miss the (0 dB) floor, by its mean or by its mean less
+    one standard error (``held_out_margin_se``): the search measures the front's next safer schedule
+    there and chooses it; ``search.held_out`` keeps both tries."""
     from sdkiln.optimizer.cache.search import EVAL_SEED, Search
 
     _, pipe = flux_tiny
@@ -269,7 +272,7 @@ def test_a_schedule_that_misses_the_floor_on_held_out_samples_gives_way_to_a_saf
         if seeds[0] >= EVAL_SEED:
             calls.append([str(a) for a in actions])
             if len(calls) == 1:
-                out["psnr_mean"] = -1.0
+                out["psnr_mean"], out["psnr_se"] = mean, se
         return out
 
     monkeypatch.setattr(Search, "confirm", confirm)
@@ -287,6 +290,23 @@ def test_a_schedule_that_misses_the_floor_on_held_out_samples_gives_way_to_a_saf
     )
     assert calls == [cheapest["actions"], safer["actions"]]
     assert data["actions"]["batched"] == safer["actions"]
-    assert [t["psnr_mean"] for t in data["search"]["held_out"]][0] == -1.0
+    assert [(t["psnr_mean"], t["psnr_se"]) for t in data["search"]["held_out"]][0] == (mean, se)
     assert len(data["search"]["held_out"]) == 2
-    assert "misses the floor (0 / 0); measuring the front's next safer schedule" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert f"less 1 x its standard error {se:.2f}" in printed
+    assert "misses the floor (0 / 0); measuring the front's next safer schedule" in printed
+
+
+def test_the_held_out_check_asks_the_mean_less_its_standard_error_to_meet_the_floor():
+    """Eight samples at 31 dB +- 4 dB (standard error 1.41) meet a 30 dB floor by their mean alone, not
+    by the mean less one standard error; the margin is a setting (0: the mean alone)."""
+    from sdkiln.optimizer.cache.search import _feasible_held_out
+
+    psnr = np.array([27.0, 35.0] * 4)
+    point = {"psnr_mean": 31.0, "psnr_se": float(psnr.std(ddof=1) / np.sqrt(8)), "psnr_p5": 27.0}
+    assert point["psnr_se"] == pytest.approx(1.512, abs=1e-3)
+    assert not _feasible_held_out(point, CacheAutoConfig())
+    assert _feasible_held_out(point, CacheAutoConfig(held_out_margin_se=0.0))
+    assert _feasible_held_out(point | {"psnr_mean": 32.6}, CacheAutoConfig())
+    with pytest.raises(ValueError, match="held_out_margin_se"):
+        CacheAutoConfig(held_out_margin_se=-1.0)

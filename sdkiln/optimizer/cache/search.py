@@ -25,8 +25,9 @@
    schedule (block evaluations -> PSNR) is kept in the package; the chosen schedule is the cheapest
    confirmed one meeting the floor (the presets differ only in the floor). It is then measured on
    held-out samples (``eval_samples`` of the family's eval prompts, other seeds) for ``expected``.
-   Four calibration samples can flatter a schedule: where the held-out PSNR misses the floor, the
-   front's next safer schedule is measured there, up to ``held_out_retries`` times, and the first
+   Four calibration samples can flatter a schedule, and eight held-out ones are a sample too: where
+   the held-out mean PSNR less ``held_out_margin_se`` standard errors of that mean misses the floor,
+   the front's next safer schedule is measured there, up to ``held_out_retries`` times, and the first
    that meets the floor is chosen (else the last tried, with a warning; ``search.held_out`` keeps
    every try).
 5. **Guard** (``guard=True``). Before that held-out run, the chosen schedule runs once more on the
@@ -209,6 +210,8 @@ class Search:
             / (self.num_blocks * len(actions)),
             "measured_block_evaluations": runner.block_evaluations,
             "psnr_mean": float(psnr.mean()),
+            # the standard error of that mean (0 for one sample): the held-out check's margin
+            "psnr_se": float(psnr.std(ddof=1) / math.sqrt(len(psnr))) if len(psnr) > 1 else 0.0,
             "psnr_p5": float(np.percentile(psnr, 5)),
             "rel_l2_mean": float(rel.mean()),
             "rel_l2_p95": float(np.percentile(rel, 95)),
@@ -289,6 +292,19 @@ def fixed_family(model: ErrorModel, actions: list[Action]) -> list[list[Action]]
 
 def _feasible(point: dict[str, Any], config: CacheAutoConfig) -> bool:
     return point["psnr_mean"] >= config.psnr_floor_db and point["psnr_p5"] >= config.psnr_p5_floor_db
+
+
+def _held_out_text(point: dict[str, Any], config: CacheAutoConfig) -> str:
+    return (
+        f"PSNR {point['psnr_mean']:.1f} dB less {config.held_out_margin_se:g} x its standard error "
+        f"{point['psnr_se']:.2f} (5th percentile {point['psnr_p5']:.1f})"
+    )
+
+
+def _feasible_held_out(point: dict[str, Any], config: CacheAutoConfig) -> bool:
+    """The floor on the held-out samples, their mean PSNR less ``held_out_margin_se`` standard errors."""
+    bound = point["psnr_mean"] - config.held_out_margin_se * point["psnr_se"]
+    return bound >= config.psnr_floor_db and point["psnr_p5"] >= config.psnr_p5_floor_db
 
 
 def _pick(points: list[dict[str, Any]], config: CacheAutoConfig) -> dict[str, Any]:
@@ -437,21 +453,20 @@ def apply_cache_auto(ctx: TransformContext, config: CacheAutoConfig) -> Transfor
             actions, eval_prompts, eval_seeds, held_images, held_latents, schedule.guards
         )
         expected.pop("actions")
-        tries.append({k: expected[k] for k in ("block_evaluations_ratio", "psnr_mean", "psnr_p5")})
-        if _feasible(expected, config) or len(tries) > config.held_out_retries or not safer:
+        tries.append({k: expected[k] for k in ("block_evaluations_ratio", "psnr_mean", "psnr_se", "psnr_p5")})
+        if _feasible_held_out(expected, config) or len(tries) > config.held_out_retries or not safer:
             break
         chosen = safer.pop(0)
         tqdm.write(
-            f"cache search: held-out PSNR {expected['psnr_mean']:.1f} dB (5th percentile "
-            f"{expected['psnr_p5']:.1f}) misses the floor ({config.psnr_floor_db:g} / {config.psnr_p5_floor_db:g}); "
-            f"measuring the front's next safer schedule ({chosen['block_evaluations_ratio']:.2f} of the "
-            "block evaluations) there"
+            f"cache search: held-out {_held_out_text(expected, config)} misses the floor "
+            f"({config.psnr_floor_db:g} / {config.psnr_p5_floor_db:g}); measuring the front's next safer "
+            f"schedule ({chosen['block_evaluations_ratio']:.2f} of the block evaluations) there"
         )
-    if not _feasible(expected, config):
+    if not _feasible_held_out(expected, config):
         tqdm.write(
-            f"cache search: warning: the chosen schedule's held-out PSNR {expected['psnr_mean']:.1f} dB "
-            f"(5th percentile {expected['psnr_p5']:.1f}) misses the floor after {len(tries)} tries; the "
-            "package's report carries it (raise held_out_retries, or calib_samples, or the floor)"
+            f"cache search: warning: the chosen schedule's held-out {_held_out_text(expected, config)} "
+            f"misses the floor after {len(tries)} tries; the package's report carries it (raise "
+            "held_out_retries, or calib_samples, or the floor)"
         )
     schedule.fingerprint = fingerprint(ctx.transformer)
     schedule.guidance_mode = "shared"  # one action list for every CFG branch (each keeps its own cache)
@@ -467,7 +482,11 @@ def apply_cache_auto(ctx: TransformContext, config: CacheAutoConfig) -> Transfor
         "actions": [str(a) for a in search.actions],
         "actions_left_out": search.dropped,
         "calibration": calib.record(),
-        "floor": {"psnr_mean_db": config.psnr_floor_db, "psnr_p5_db": config.psnr_p5_floor_db},
+        "floor": {
+            "psnr_mean_db": config.psnr_floor_db,
+            "psnr_p5_db": config.psnr_p5_floor_db,
+            "held_out_margin_se": config.held_out_margin_se,
+        },
         "front": front,
         "held_out": tries,
         "confirmed": len(points),
