@@ -38,7 +38,10 @@ OPS = (
     "weight_only_linear",
     "attention",
     "block_sparse_attention",
+    "quantized_attention",
 )
+QUANTIZED_ATTENTION = (("int8", "fp8"), ("fp8", "fp8"))
+"""(QKᵀ, PV) formats of the quantized attention rows (SageAttention2's and the all-FP8 one)"""
 QDTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 
 
@@ -465,6 +468,23 @@ def attention_cases(s: Shape, device, dtype, quick: bool) -> list[Case]:
             reference_guard={"ours": (dense_reference, dense_kernel)},
         )
     ]
+    for qk, pv in QUANTIZED_ATTENTION[:1] if quick else QUANTIZED_ATTENTION:
+        quantized = lambda a, qk=qk, pv=pv: _impl("quantized_attention", device, *a, None, None, qk, pv, True)  # noqa: E731
+        cases.append(
+            Case(
+                "quantized_attention",
+                {"shape": s.name, "B": b, "S": sq, "H": h, "D": d, "layout": "BSHD", "qk": qk, "pv": pv},
+                qkv,
+                lambda q, k, v, qk=qk, pv=pv: _op("quantized_attention")(q, k, v, None, None, qk, pv, True),
+                sdpa_formula,
+                lambda a, quantized=quantized: {"quantized_attention": quantized(a)},
+                flops=dense_flops,
+                bound="compute",
+                peers={"ours dense attention": lambda q, k, v: _op("attention")(q, k, v, None, None)},
+                # the reference's float64 logits, probabilities and blocks of P
+                reference_guard={"ours": (4 * 8 * b * h * sq * sq, quantized)},
+            )
+        )
     nq = math.ceil(sq / s.block)
     for sparsity in SPARSITIES[::2] if quick else SPARSITIES:
         keep = max(1, round(nq * (1 - sparsity)))

@@ -8,7 +8,8 @@ Every case (one op at one shape) runs these on the same inputs:
 * ``eager``: the plain torch formula in the input dtype: bfloat16 on a GPU, float32 on CPU (where
   a bf16 matmul is about 2x slower than fp32, so fp32 is the honest float baseline). Quantized
   linears run *with* their activation quantization (quantize + linear) against the float
-  ``F.linear``; block-sparse attention against dense ``F.scaled_dot_product_attention``.
+  ``F.linear``; block-sparse and quantized attention (INT8 QKᵀ with FP8 PV, and all-FP8, rotated,
+  its quantization of Q/K/V included) against dense ``F.scaled_dot_product_attention`` (flash on a GPU).
 * ``compile``: ``torch.compile`` of that formula, cold (``torch._dynamo.reset()`` first); its first
   call's seconds are recorded.
 * peers, where one exists: the quantized formula as Inductor compiles it (``torch._int_mm``,

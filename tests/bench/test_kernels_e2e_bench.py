@@ -45,6 +45,7 @@ KERNEL_OPS = (
     "weight_only_linear",
     "attention",
     "block_sparse_attention",
+    "quantized_attention",
 )
 
 
@@ -95,6 +96,8 @@ def test_kernels_rows_say_which_kernel_ran_and_rate_it(kernel_report):
         if row["op"] in ("w8a8_linear", "fp8_linear", "weight_only_linear", "layer_norm_modulate_quantize"):
             floor = 15.0 if row.get("weight") == "int4" else INT8_SQNR_FLOOR_DB
             assert ours["sqnr_db"] > floor, row
+        if row["op"] == "quantized_attention":  # INT8 QK^T + FP8 PV against float SDPA
+            assert (row["qk"], row["pv"]) == ("int8", "fp8") and 25.0 < ours["sqnr_db"] < 60.0, row
         if row["op"] in ("rms_norm", "attention"):
             assert ours["sqnr_db"] > 100 - 1e-9  # the fp32 reference equals the fp32 formula
     w8a8 = next(r for r in written["rows"] if r["op"] == "w8a8_linear")

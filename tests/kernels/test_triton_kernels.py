@@ -94,10 +94,10 @@ def test_every_triton_kernel_is_covered():
         "rms_norm", "layer_norm_modulate", "quantize_per_token_int8", "fp8_quantize_per_token",
         "rms_norm_quantize", "layer_norm_modulate_quantize", "gelu_tanh", "mul_add", "rope",
         "quantize_per_tensor_int8", "w8a8_linear", "w8a8_static_linear", "fp8_linear",
-        "weight_only_linear", "attention", "block_sparse_attention", "lora_add",
+        "weight_only_linear", "attention", "block_sparse_attention", "lora_add", "quantized_attention",
     }  # fmt: skip
     assert set(OPS) == tested
-    assert set(T.REFERENCE_ONLY) == {"quantized_attention"} and all(T.REFERENCE_ONLY.values())
+    assert all(T.REFERENCE_ONLY.values())
     assert set(K.op_names()) == tested | set(T.REFERENCE_ONLY)  # every other op has a Triton kernel
 
 
@@ -294,6 +294,46 @@ def test_block_sparse_attention(triton_on):
     close(out, dense)
 
 
+@pytest.mark.parametrize(
+    "qk,pv,rotate,dtype",
+    [
+        ("int8", "fp8", True, torch.bfloat16),
+        ("int8", "fp8", False, torch.float32),
+        ("int8", "int8", True, torch.float16),
+        ("int8", "float", False, torch.bfloat16),
+        ("fp8", "fp8", True, torch.bfloat16),
+    ],
+)
+def test_quantized_attention(triton_on, qk, pv, rotate, dtype):
+    """Two query blocks of 128 and two key blocks of 64 (the quantization's), K offset per channel (what
+    the smoothing removes). The INT8 logits are the reference's bit for bit (the kernel writes them on
+    request); the FP8 logits (an fp32 sum on the tensor cores, float64 in the reference) and the output
+    (P quantized against the running maximum, the reference's against the final one) at SQNR."""
+    from sdkiln.kernels.ops.quantized_attention import quantize_inputs, quantized_logits
+    from sdkiln.kernels.triton.quantized_attention import launch
+
+    g = torch.Generator().manual_seed(9)
+    b, sq, sk, h, d = 1, 150, 100, 2, 32
+    q = torch.randn(b, sq, h, d, generator=g)
+    k = torch.randn(b, sk, h, d, generator=g) + 3.0 * torch.randn(d, generator=g)
+    v = torch.randn(b, sk, h, d, generator=g)
+    q, k, v = (t.to(dtype).to(triton_on) for t in (q, k, v))
+    out, lse = run("quantized_attention", triton_on, q, k, v, None, None, qk, pv, rotate)
+    ref_out, ref_lse = reference("quantized_attention", q, k, v, None, None, qk, pv, rotate)
+    close(out, ref_out)
+    torch.testing.assert_close(lse.cpu(), ref_lse, rtol=1e-4, atol=1e-4)
+    _, _, logits = launch(q, k, v, None, qk, pv, rotate, logits=True)
+    want = quantized_logits(quantize_inputs(*(t.cpu() for t in (q, k, v)), None, qk, pv, rotate))
+    if qk == "int8":
+        assert torch.equal(logits.cpu(), want)
+    else:
+        close(logits, want)
+    mask = torch.ones(1, 1, sq, sk, dtype=torch.bool, device=triton_on)
+    assert K.implementation("quantized_attention", triton_on.type, q, k, v, mask, None, qk, pv, rotate) == (
+        K.registry.REFERENCE
+    )
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 def test_flux_scale_shapes_on_gpu():
@@ -320,6 +360,19 @@ def test_flux_scale_shapes_on_gpu():
             1, 2
         ),
     )
+    # quantized attention at FLUX's sequence and head dim (4 of the 24 heads: the float64 reference)
+    from sdkiln.kernels.ops.quantized_attention import quantize_inputs, quantized_logits
+    from sdkiln.kernels.triton.quantized_attention import launch
+
+    q, k, v = (t[:, :, :4].contiguous() for t in (q, k, v))
+    args = (None, None, "int8", "fp8", True)
+    close(
+        run("quantized_attention", dev, q, k, v, *args)[0],
+        reference("quantized_attention", q, k, v, *args)[0],
+    )
+    _, _, logits = launch(q, k, v, None, "int8", "fp8", True, logits=True)
+    # from the same quantized inputs (the rotation's matmul on the GPU rounds as the GPU does)
+    assert torch.equal(logits, quantized_logits(quantize_inputs(q, k, v, None, "int8", "fp8", True)))
 
 
 @pytest.mark.parametrize("dtype", HALF)

@@ -22,15 +22,20 @@ In order, each step in fp32 unless it says otherwise:
    ``lse = m + log(l)`` plus the smoothing's shift ``scale * q · mean(k)`` (fp32, from the unquantized
    q), so that the lse is that of the unsmoothed logits and partial results over split keys merge
    (ring attention); a row that attends to nothing gets out 0 and lse -inf.
-6. **PV**: ``pv="fp8"``: P as e4m3fn of ``P * 448`` (one scale for all), V as e4m3fn per channel
-   over the keys (``scale_v = absmax / 448``); the exact fp8 product (float64), in fp32, divided by
-   448, times ``scale_v``. ``pv="int8"``: the same with 127 and rounding. ``pv="float"``: ``P @ V``
-   in fp32. Then divided by ``l`` and rounded to q's dtype.
+6. **PV**: ``pv="fp8"``: V as e4m3fn per channel over the keys (``scale_v = absmax / 448``); P per
+   block of ``K_BLOCK`` keys against the running maximum, as a flash kernel sees it: for key block j,
+   ``M_j`` the row maximum over blocks 0..j, ``Pq_j`` the e4m3fn of ``exp(logits_j - M_j) * 448``
+   (in [0, 448]: one scale for all); the exact fp8 products ``Pq_j @ Vq_j`` (float64), in fp32, summed
+   over j with weights ``exp(M_j - m)``, divided by 448, times ``scale_v``. (Against the final maximum
+   P would round on another grid wherever the maximum moved: a kernel could then only match at about
+   35 dB.) ``pv="int8"``: the same with 127 and rounding. ``pv="float"``: ``P @ V`` in fp32. Then
+   divided by ``l`` and rounded to q's dtype.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -100,39 +105,91 @@ def qk_logits_int(q_q: Tensor, k_q: Tensor) -> Tensor:
     return q_q.double() @ k_q.double().transpose(-1, -2)
 
 
-def quantized_attention_reference(
-    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float | None, qk: str, pv: str, rotate: bool
-) -> tuple[Tensor, Tensor]:
-    """The module docstring's steps, in its order."""
-    check_quantized_attention(q, k, v, qk, pv, rotate)
+@dataclass
+class Quantized:
+    """Steps 1-3 of the module docstring and V's quantization (step 6), shared by the reference and
+    the kernels, which take over from the logits: Q and K values [B, H, S, D] (int8 or e4m3fn) with
+    their fp32 scales per token [B, H, S] (each block's scale repeated over its tokens), ``shift``
+    [B, H, Sq] fp32 (``scale * q · mean(k)``, the lse's correction), V [B, H, Sk, Dv] (fp32 for
+    ``pv="float"``, else int8 or e4m3fn) with its per-channel scale [B, H, Dv] (ones for float)."""
+
+    q: Tensor
+    q_scale: Tensor
+    k: Tensor
+    k_scale: Tensor
+    shift: Tensor
+    v: Tensor
+    v_scale: Tensor
+    scale: float
+
+
+def quantize_inputs(
+    q: Tensor, k: Tensor, v: Tensor, scale: float | None, qk: str, pv: str, rotate: bool
+) -> Quantized:
+    """Rotate, smooth and quantize q, k ([B, S, H, D]) and quantize v, as the module docstring says."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     qh, kh, vh = (t.float().transpose(1, 2) for t in (q, k, v))  # [B, H, S, D]
     if rotate:
         r = hadamard(q.shape[-1], q.device)
         qh, kh = qh @ r, kh @ r
     k_mean = kh.mean(dim=2, keepdim=True)
-    kh = kh - k_mean
     q_q, q_scale = quantize_blocks(qh, Q_BLOCK, qk)
-    k_q, k_scale = quantize_blocks(kh, K_BLOCK, qk)
-    logits = qk_logits_int(q_q, k_q).float() * (q_scale * k_scale.transpose(-1, -2)) * scale
+    k_q, k_scale = quantize_blocks(kh - k_mean, K_BLOCK, qk)
+    shift = (qh @ k_mean.transpose(-1, -2)).squeeze(-1) * scale
+    if pv == "float":
+        v_q, v_scale = vh, vh.new_ones(vh.shape[:2] + vh.shape[-1:])
+    else:
+        top = INT8_MAX if pv == "int8" else FP8_E4M3_MAX
+        v_scale = vh.abs().amax(dim=2) / top  # per channel over the keys: [B, H, Dv]
+        v_scale = torch.where(v_scale > 0, v_scale, torch.ones_like(v_scale))
+        v_q = _quantize(vh / v_scale[:, :, None], top, pv)
+    return Quantized(q_q, q_scale.squeeze(-1), k_q, k_scale.squeeze(-1), shift, v_q, v_scale, scale)
+
+
+def quantized_logits(x: Quantized) -> Tensor:
+    """The scaled logits [B, H, Sq, Sk] fp32 (step 4 before the mask): exact integer (or fp8)
+    products, then ``* (scale_q * scale_k)`` and ``* scale``, each a rounded fp32 operation."""
+    return qk_logits_int(x.q, x.k).float() * (x.q_scale[..., :, None] * x.k_scale[..., None, :]) * x.scale
+
+
+def quantized_attention_reference(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float | None, qk: str, pv: str, rotate: bool
+) -> tuple[Tensor, Tensor]:
+    """The module docstring's steps, in its order."""
+    check_quantized_attention(q, k, v, qk, pv, rotate)
+    x = quantize_inputs(q, k, v, scale, qk, pv, rotate)
+    logits = quantized_logits(x)
     if mask is not None:
         logits = logits.masked_fill(~mask, -math.inf) if mask.dtype == torch.bool else logits + mask.float()
     m = logits.amax(dim=-1, keepdim=True)
     m = m.masked_fill(m == -math.inf, 0.0)
     p = torch.exp(logits - m)
     l_ = p.sum(dim=-1, keepdim=True)
-    lse = (m + torch.log(l_)).squeeze(-1) + (qh @ k_mean.transpose(-1, -2)).squeeze(-1) * scale
+    lse = (m + torch.log(l_)).squeeze(-1) + x.shift
     if pv == "float":
-        out = p @ vh
+        out = p @ x.v
     else:
-        top = INT8_MAX if pv == "int8" else FP8_E4M3_MAX
-        v_scale = vh.abs().amax(dim=2, keepdim=True) / top  # per channel over the keys: [B, H, 1, Dv]
-        v_scale = torch.where(v_scale > 0, v_scale, torch.ones_like(v_scale))
-        p_q = _quantize(p * top, top, pv)
-        v_q = _quantize(vh / v_scale, top, pv)
-        out = (p_q.double() @ v_q.double()).float() / top * v_scale
+        out = _quantized_pv(logits, m, x, pv)
     out = torch.where(l_ > 0, out / l_.clamp_min(torch.finfo(torch.float32).tiny), torch.zeros_like(out))
     return contiguous_as(out.transpose(1, 2), q.dtype), lse.transpose(1, 2).contiguous()
+
+
+def _quantized_pv(logits: Tensor, m: Tensor, x: Quantized, pv: str) -> Tensor:
+    """Step 6 for a quantized P: ``sum_j exp(M_j - m) * (Pq_j @ Vq_j)`` over key blocks j of ``K_BLOCK``,
+    ``M_j`` the running maximum through block j (0 while it is -inf), ``Pq_j`` the quantized
+    ``exp(logits_j - M_j) * top``; each block's product exact (float64), in fp32; then ``/ top * scale_v``."""
+    top = INT8_MAX if pv == "int8" else FP8_E4M3_MAX
+    sk = logits.shape[-1]
+    n = -(-sk // K_BLOCK)
+    blocks = torch.nn.functional.pad(logits, (0, n * K_BLOCK - sk), value=-math.inf)
+    blocks = blocks.unflatten(-1, (n, K_BLOCK))  # [B, H, Sq, n, K_BLOCK]
+    running = blocks.amax(dim=-1).cummax(dim=-1).values  # [B, H, Sq, n]
+    running = running.masked_fill(running == -math.inf, 0.0)
+    p_q = _quantize(torch.exp(blocks - running[..., None]) * top, top, pv)
+    v_q = torch.nn.functional.pad(x.v.double(), (0, 0, 0, n * K_BLOCK - sk)).unflatten(-2, (n, K_BLOCK))
+    partial = torch.einsum("bhqnk,bhnkd->bhqnd", p_q.double(), v_q).float()  # [B, H, Sq, n, Dv]
+    out = (partial * torch.exp(running - m)[..., None]).sum(dim=-2)
+    return out / top * x.v_scale[:, :, None]
 
 
 def _fake(q, k, v, mask, scale, qk, pv, rotate) -> tuple[Tensor, Tensor]:

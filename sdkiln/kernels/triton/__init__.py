@@ -13,20 +13,25 @@ tested against it (``tests/kernels/test_triton_kernels.py``), on CPU under Trito
 
 Modules: ``rows`` (norms, adaLN, per-token quantization and their fused forms), ``elementwise``
 (gelu_tanh, mul_add, rope, per-tensor quantization), ``gemm`` (the quantized linears),
-``attention`` (flash attention with log-sum-exp, block-sparse attention), ``lora`` (the LoRA branch), ``configs`` (launch and
+``attention`` (flash attention with log-sum-exp, block-sparse attention), ``quantized_attention``
+(INT8/FP8 QK^T, FP8/INT8/float PV), ``lora`` (the LoRA branch), ``configs`` (launch and
 autotune configurations per GPU generation).
 """
 
-from sdkiln.kernels.triton import attention, elementwise, gemm, lora, rows
+from sdkiln.kernels.triton import attention, elementwise, gemm, lora, quantized_attention, rows
 from sdkiln.kernels.triton.configs import KERNEL_NAME
 
-REFERENCE_ONLY = {
-    "quantized_attention": (
-        "no Triton kernel yet: the flash-structured INT8 QK^T / FP8 PV kernel is the next part of issue 36; "
-        "on CUDA the op runs its reference (float64 products: correct, slow)"
-    ),
-}
+REFERENCE_ONLY: dict[str, str] = {}
 """Ops without a Triton kernel, each with why: they run their reference on CUDA
 (``tests/kernels/test_triton_kernels.py`` checks that no op is left out silently)."""
 
-__all__ = ["KERNEL_NAME", "REFERENCE_ONLY", "attention", "elementwise", "gemm", "lora", "rows"]
+__all__ = [
+    "KERNEL_NAME",
+    "REFERENCE_ONLY",
+    "attention",
+    "elementwise",
+    "gemm",
+    "lora",
+    "quantized_attention",
+    "rows",
+]
