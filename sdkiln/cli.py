@@ -201,6 +201,12 @@ def cmd_inspect(args) -> int:
                 f"cache guard: {g['indicator']} above {g['quantile']:g}-quantile x {g['margin']:g} of calibration runs "
                 f"the step full (held-out: {held.get('forced', '?')} of {held.get('checks', '?')} reuse checks forced)"
             )
+    if summary.get("attention_quant"):
+        a = summary["attention_quant"]
+        print(
+            f"quantized attention: {a['qk']} QK, {a['pv']} PV on {a['layers']} layers ({a['rotated_layers']} rotated), "
+            f"{a['quantized_fraction']:.1%} of the attention layers' denoising steps ({a['file']})"
+        )
     for attr, e in summary["experts"].items():
         c = e["cache"]
         cache = (

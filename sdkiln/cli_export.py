@@ -13,6 +13,17 @@ def print_ascend(export) -> None:
             f"  {export.regridded} W8A8 layers' scales rounded for this dtype (a package from an older sdkiln): "
             "MindIE SD computes them slightly differently from the package's measurements"
         )
+    if export.attention is not None:
+        a = export.attention
+        print(
+            f"  attention ({a['formats']}): {a['layers']} of the plan's {a['plan_layers']} layers as MindIE SD's "
+            f"FP8_DYNAMIC FA quantization with their q_rot/k_rot"
+            + (
+                f"; {a['left_float_pairs']} quantized (layer, step) pairs run float there: {a['reason']}"
+                if a.get("reason")
+                else ""
+            )
+        )
     policy = export.timestep_policy
     if policy:
         k, t = policy["dynamic_steps"], policy["num_steps"]

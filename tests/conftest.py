@@ -70,3 +70,20 @@ def assert_same_outputs():
         assert np.array_equal(img_mem, img_pkg)
 
     return check
+
+
+@pytest.fixture(scope="session")
+def rehash():
+    """``rehash(package, rel)``: re-sign one changed file in the package's manifest, as a writer would,
+    so a test's tampering leaves only that file's content wrong."""
+    import hashlib
+    import json
+
+    def sign(package, rel: str) -> None:
+        manifest = json.loads((package / "manifest.json").read_text())
+        data = (package / rel).read_bytes()
+        entry = manifest["files"][rel]
+        entry["sha256"], entry["size"] = hashlib.sha256(data).hexdigest(), len(data)
+        (package / "manifest.json").write_text(json.dumps(manifest))
+
+    return sign

@@ -13,6 +13,7 @@ plus its transform in ``sdkiln.optimizer``.
 from sdkiln.configs.cache import CacheAutoConfig
 from sdkiln.configs.quant import (
     WEIGHT_ROUNDINGS,
+    AttentionQuantConfig,
     FP8DynamicConfig,
     QuantAutoConfig,
     QuantStep,
@@ -33,6 +34,7 @@ from sdkiln.configs.sparse import Sparse24Config, SparseAttentionConfig
 __all__ = [
     "RECIPE_STEPS",
     "WEIGHT_ROUNDINGS",
+    "AttentionQuantConfig",
     "CacheAutoConfig",
     "CompileConfig",
     "LoraFile",

@@ -304,3 +304,55 @@ class TextEncoderQuantConfig(RecipeStep):
             self.sqnr_floor_db = float(self.sqnr_floor_db)
             if not math.isfinite(self.sqnr_floor_db):
                 raise ValueError("sqnr_floor_db must be finite (or null: the family's floor)")
+
+
+ATTENTION_ROTATIONS = ("auto", "on", "off")
+
+
+@register_step
+@dataclass
+class AttentionQuantConfig(RecipeStep):
+    """Quantized attention (``sdkiln.optimizer.quant.attention``, ``docs/attention-quantization.md``):
+    ``sdkiln::quantized_attention`` with Q and K in ``qk`` (INT8 or FP8) and P and V in ``pv`` (FP8,
+    INT8 or float), decided per attention layer and denoising step.
+
+    On ``calib_samples`` calibration samples every routed attention call is computed in float (what the
+    model runs on) and quantized, with and without a Hadamard rotation of Q and K (``rotate="auto"``:
+    per layer, the one of higher mean SQNR; ``"on"``/``"off"`` fix it); a (layer, step) runs quantized
+    where the lowest SQNR of its outputs over the samples reaches ``sqnr_floor_db``. The plan then runs
+    end to end on the same samples: where the mean PSNR of the images against float attention misses
+    ``psnr_floor_db``, the per-call floor rises by ``floor_step_db``, up to ``retries`` times.
+    """
+
+    kind: ClassVar[str] = "attention_quant"
+    order: ClassVar[int] = 40
+    """After the linears' quantization (attention's inputs as deployed), before block-sparse attention
+    and the cache search (which measure with it)."""
+    transform_module: ClassVar[str] = "sdkiln.optimizer.quant.attention"
+    qk: str = "int8"
+    pv: str = "fp8"
+    rotate: str = "auto"
+    sqnr_floor_db: float = 30.0
+    psnr_floor_db: float = 38.0
+    """An error 38 dB below the image adds about 1 dB at most to a package at 31 dB (powers add)."""
+    floor_step_db: float = 3.0
+    retries: int = 3
+    calib_samples: int = 2
+
+    def __post_init__(self) -> None:
+        from sdkiln.kernels.ops.quantized_attention import PV_FORMATS, QK_FORMATS
+
+        if self.qk not in QK_FORMATS or self.pv not in PV_FORMATS:
+            raise ValueError(f"qk is one of {', '.join(QK_FORMATS)} and pv one of {', '.join(PV_FORMATS)}")
+        if self.rotate not in ATTENTION_ROTATIONS:
+            raise ValueError(f"rotate is one of {', '.join(ATTENTION_ROTATIONS)}, got {self.rotate!r}")
+        for name in ("sqnr_floor_db", "psnr_floor_db", "floor_step_db"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number of dB, got {value!r}")
+            setattr(self, name, float(value))
+        if self.floor_step_db <= 0:
+            raise ValueError("floor_step_db must be positive")
+        if isinstance(self.retries, bool) or not isinstance(self.retries, int) or self.retries < 0:
+            raise ValueError(f"retries must be an integer >= 0, got {self.retries!r}")
+        _check_samples(self)

@@ -34,7 +34,9 @@ from sdkiln.configs import QuantStep, RecipeConfig, SmoothQuantConfig
 from sdkiln.errors import PackageError, RecipeError
 from sdkiln.export.ascend_schemes import FLOAT_TAG, NEEDS_DEPLOY_DTYPE, AscendLayer, ascend_layer_tensors
 from sdkiln.export.atomic import atomic_directory
+from sdkiln.kernels.ops.quantized_attention import hadamard
 from sdkiln.model_zoo import get_spec
+from sdkiln.runtime.attention.quantized import AttentionQuantPlan
 from sdkiln.runtime.components import component_tensors
 from sdkiln.runtime.manifest_schema import short
 from sdkiln.runtime.package import open_package
@@ -62,6 +64,8 @@ class AscendExport:
     """W8A8 layers whose static scales were rounded here for the deployment dtype (only in packages
     written before sdkiln stored them on that grid); MindIE SD then differs from our runtime by that
     rounding."""
+    attention: dict[str, Any] | None = None
+    """With an attention-quantization plan: what of it the export carries (``fa_quant``)."""
 
 
 def _layer_of(key: str, modules: dict[str, Any]) -> tuple[str, str] | None:
@@ -173,6 +177,50 @@ def ascend_files(
     return AscendFiles(description, {k: out[k][0].contiguous() for k in keys}, policy, regridded)
 
 
+FA_QUANT_TYPE = "FP8_DYNAMIC"
+"""MindIE SD's attention quantization (``FP8RotateQuantFA``): Q, K and V quantized to FP8 per block at run
+time, after Q and K are multiplied by the layer's ``q_rot`` and ``k_rot``."""
+
+
+def fa_quant(
+    plan: AttentionQuantPlan, head_dim: int
+) -> tuple[dict[str, tuple[Tensor, str]], dict[str, str], dict]:
+    """The attention plan in the form msModelSlim exports for MindIE SD (``docs/ascend.md``): per layer
+    ``"<attn>.quant_type": "FP8_DYNAMIC"`` in the description and ``<attn>.q_rot``, ``<attn>.k_rot``
+    ([D, D], FLOAT; the Hadamard rotation the plan chose, or the identity) in the weights. MindIE SD
+    quantizes such a layer at every step, so only the layers the plan quantizes at every step are
+    written (never a (layer, step) the plan keeps float), and only an FP8 plan (MindIE SD's FA
+    quantization is FP8 throughout). Returns (tensors, description entries, what was carried)."""
+    tensors: dict[str, tuple[Tensor, str]] = {}
+    entries: dict[str, str] = {}
+    every = sorted(n for n, e in plan.layers.items() if all(e["steps"]))
+    pairs = sum(sum(e["steps"]) for e in plan.layers.values())
+    carried = {
+        "formats": f"{plan.qk}/{plan.pv}",
+        "plan_layers": len(plan.layers),
+        "layers": 0,
+        "left_float_pairs": pairs,
+    }
+    if (plan.qk, plan.pv) != ("fp8", "fp8"):
+        carried["reason"] = (
+            f"MindIE SD quantizes attention in FP8 throughout ({FA_QUANT_TYPE}); this plan is {plan.qk.upper()} "
+            f"QK / {plan.pv.upper()} PV, so its attention runs in float there (make the package with attn-fp8)"
+        )
+        return tensors, entries, carried
+    for name in every:
+        rot = hadamard(head_dim) if plan.layers[name]["rotate"] else torch.eye(head_dim)
+        tensors[f"{name}.q_rot"], tensors[f"{name}.k_rot"] = (rot, FLOAT_TAG), (rot.clone(), FLOAT_TAG)
+        entries[f"{name}.quant_type"] = FA_QUANT_TYPE
+    carried["layers"] = len(every)
+    carried["left_float_pairs"] = pairs - plan.num_steps * len(every)
+    if carried["left_float_pairs"]:
+        carried["reason"] = (
+            f"MindIE SD quantizes a layer's attention at every step: the {len(plan.layers) - len(every)} layers the "
+            "plan quantizes at some steps only run in float there"
+        )
+    return tensors, entries, carried
+
+
 def _refuse_folds(manifest: dict[str, Any]) -> None:
     """A SmoothQuant step that folded its smoothing into float modulation Linears changed weights
     MindIE SD never loads (it takes float weights from the user's own model), so its int8 layers
@@ -261,6 +309,18 @@ def export_ascend(
     tensors = component_tensors(pkg, attr)
     files = ascend_files(manifest, tensors, _deploy_dtype(manifest["model"].get("dtype"), dtype))
     description, weights = files.description, files.weights
+    attention = None
+    if "attention_quant" in manifest:
+        where = manifest["attention_quant"]["file"]
+        plan = AttentionQuantPlan.from_dict(pkg.read_json(where), where)
+        head_dim = pkg.read_json(f"{attr}/config.json").get("attention_head_dim")
+        if not isinstance(head_dim, int):
+            raise PackageError(
+                f"{attr}/config.json: no attention_head_dim to size the attention rotations by"
+            )
+        fa_tensors, fa_entries, attention = fa_quant(plan, head_dim)
+        description |= fa_entries | {k: tag for k, (_, tag) in fa_tensors.items()}
+        weights |= {k: t.contiguous() for k, (t, _) in fa_tensors.items()}
     quant_type = description["model_quant_type"].lower()
     target = Path(out_dir)
     with atomic_directory(target, check=lambda t: check_replaceable(t, force), mode=DIR_MODE) as tmp:
@@ -280,4 +340,5 @@ def export_ascend(
         schemes=schemes,
         timestep_policy=files.timestep_policy,
         regridded=files.regridded,
+        attention=attention,
     )

@@ -67,6 +67,11 @@ def _check_package(manifest: dict[str, Any]) -> dict[str, int]:
         raise SdkilnError(
             "the diffusers view cannot carry block-sparse attention: export a package without it"
         )
+    if "attention_quant" in manifest:
+        raise SdkilnError(
+            "the diffusers view cannot carry quantized attention (diffusers has no such attention backend): "
+            "export a package made without attn-int8/attn-fp8"
+        )
     encoders = manifest.get("text_encoders") or {}
     if encoders:
         name = next(iter(encoders))

@@ -87,6 +87,11 @@ def _check_package(manifest: dict[str, Any]) -> dict[str, int]:
             "ONNX export of block-sparse attention is not supported (its block selection is data-dependent "
             "and has no ONNX form here); export a package made without sparse-attn"
         )
+    if "attention_quant" in manifest:
+        raise SdkilnError(
+            "ONNX export of quantized attention is not supported (sdkiln::quantized_attention has no ONNX form "
+            "here); export a package made without attn-int8/attn-fp8"
+        )
     schemes = Counter(m["scheme"] for m in manifest["modules"].values())
     exportable = sorted(s for s, cls in scheme_classes().items() if cls.onnx_form)
     other = sorted(set(schemes) - set(exportable))

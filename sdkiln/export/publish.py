@@ -172,6 +172,12 @@ def model_card(pkg: Package, repo: str, license: str) -> str:
         )
     if "sparse_attention" in summary["sections"]:
         lines.append("- Block-sparse attention: a per-layer plan (`attention/sparse_attention.json`).")
+    if summary["attention_quant"] is not None:
+        a = summary["attention_quant"]
+        lines.append(
+            f"- Quantized attention ({a['qk'].upper()} QK, {a['pv'].upper()} PV): {a['quantized_fraction']:.0%} of "
+            f"the attention layers' denoising steps, per layer and step (`{a['file']}`)."
+        )
     lines += _memory_lines(summary["memory"])
     lines += ["", "Recipe steps:", ""]
     for step in m["recipe"]["steps"]:

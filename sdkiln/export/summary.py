@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from sdkiln.errors import PackageError
+from sdkiln.runtime.attention.quantized import AttentionQuantPlan
 from sdkiln.runtime.cache.restore import schedule_file
 from sdkiln.runtime.cache.schedule import CacheSchedule
 from sdkiln.runtime.components import stored_infos
@@ -121,6 +122,24 @@ def _transformer(pkg: Package, m: dict[str, Any]) -> dict[str, Any]:
         "quantized_ratio": (qbytes / fbytes) if fbytes else None,
         "transformer_bytes": total,
         "cache": cache,
+        "attention_quant": _attention_quant(pkg, m),
+    }
+
+
+def _attention_quant(pkg: Package, m: dict[str, Any]) -> dict[str, Any] | None:
+    """The attention-quantization plan's formats, its layers, and the fraction of (layer, denoising step)
+    pairs over every attention layer that run quantized (the step's record)."""
+    entry = m.get("attention_quant")
+    if entry is None:
+        return None
+    plan = AttentionQuantPlan.from_dict(pkg.read_json(entry["file"]), entry["file"])
+    return {
+        "file": entry["file"],
+        "qk": plan.qk,
+        "pv": plan.pv,
+        "layers": len(plan.layers),
+        "rotated_layers": sum(e["rotate"] for e in plan.layers.values()),
+        "quantized_fraction": plan.record.get("quantized_fraction", 0.0),
     }
 
 

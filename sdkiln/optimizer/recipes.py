@@ -12,6 +12,7 @@ from pathlib import Path
 
 from sdkiln.configs import (
     RECIPE_STEPS,
+    AttentionQuantConfig,
     CacheAutoConfig,
     RecipeConfig,
     RecipeStep,
@@ -45,6 +46,10 @@ PRESETS: dict[str, Callable[[], list[RecipeStep]]] = {
         f"te-{scheme.replace('_', '-')}": (lambda scheme=scheme: [TextEncoderQuantConfig(scheme=scheme)])
         for scheme in TEXT_ENCODER_SCHEMES
     },
+    # Quantized attention per layer and step (docs/attention-quantization.md): SageAttention2's formats
+    # (INT8 QK^T, FP8 PV), or FP8 throughout.
+    "attn-int8": lambda: [AttentionQuantConfig(qk="int8", pv="fp8")],
+    "attn-fp8": lambda: [AttentionQuantConfig(qk="fp8", pv="fp8")],
     # Block-sparse attention: calibrated per layer within the default error budget, or one sparsity
     # for every layer (for comparison; docs/sparsity.md).
     "sparse-attn": lambda: [SparseAttentionConfig()],

@@ -359,6 +359,12 @@ def load(
             "graph inside the routed attention processors and reads each layer's own plan, so every block "
             "would compile its own graph (docs/sparsity.md); load this package without compile"
         )
+    if compile is not None and any(s.name == "attention_quant" for s in sections):
+        raise SdkilnError(
+            "compile with quantized attention is not supported yet: its backend reads each layer's own plan and "
+            "the denoising step, so every block would compile its own graph per step (docs/attention-quantization.md); load "
+            "this package without compile"
+        )
     clock.mark("verify")
     # straight to the accelerator, shard by shard; a mesh picks each rank's device after assembly
     placed = target if target.type != "cpu" and parallel is None and memory is None else None

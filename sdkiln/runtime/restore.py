@@ -3,7 +3,7 @@ restore per saved mode; STYLE habit 15).
 
 A package's manifest holds the core fields every package has (``CORE_FIELDS``) and one top-level
 entry per **section** it carries: ``modules`` (the quantized layers), ``cache_schedule``,
-``sparse_attention``, ``experts`` (a pipeline's other transformers, each with sections of its
+``attention_quant`` (``runtime.attention.quantized``), ``sparse_attention``, ``experts`` (a pipeline's other transformers, each with sections of its
 own: ``runtime.experts``) and ``text_encoders`` (quantized text encoders: ``runtime.quant.encoders``). Each section has a
 ``Section`` handler in its own module, listed in ``SECTION_MODULES``; a manifest entry that no
 handler claims is refused, so an older sdkiln never runs a newer package without a part of it.
@@ -34,6 +34,7 @@ CORE_FIELDS = ("format", "schema_version", "sdkiln_version", "created", "model",
 SECTION_MODULES = (
     "sdkiln.runtime.quant.restore",
     "sdkiln.runtime.cache.restore",
+    "sdkiln.runtime.attention.quantized",
     "sdkiln.runtime.sparse.restore",
     "sdkiln.runtime.experts",
     "sdkiln.runtime.quant.encoders",

@@ -15,6 +15,10 @@ Rules, each from those sources:
 * A Linear ``L`` is quantized with type ``desc[L + ".weight"]``, or ``desc[L + ".linear.weight"]``
   when ``L + ".div.mul_scale"`` exists (SmoothQuant); FLOAT means left in float.
 * Per type, the tensors MindIE SD's layer classes read, with their dtypes and shapes.
+* Attention quantization (msModelSlim's ``update_fa_quant_type``, MindIE SD's ``add_fa_quant``): a
+  ``"<attn>.quant_type": "FP8_DYNAMIC"`` entry (a type, not a tensor) makes MindIE SD run that
+  attention module through ``FP8RotateQuantFA``, which reads ``<attn>.q_rot`` and ``<attn>.k_rot``
+  (square float matrices of the head dim, FLOAT).
 """
 
 from __future__ import annotations
@@ -60,6 +64,8 @@ class AscendModelView:
     layers: dict[str, AscendLayerView]
     float_keys: set[str]
     group_size: int | None
+    fa_layers: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    """Attention module -> (q_rot, k_rot) of the FP8_DYNAMIC FA quantization."""
 
 
 def _check_mode(path: Path, limit: int) -> None:
@@ -146,6 +152,21 @@ def read_ascend_dir(root: str | os.PathLike) -> AscendModelView:
         raise AscendFormatError(f"MindIE SD would look for {weights_path.name}, which is missing")
     weights = load_file(weights_path)
     typed = {k: v for k, v in desc.items() if k != "model_quant_type" and isinstance(v, str)}
+    fa = {k[: -len(".quant_type")]: v for k, v in typed.items() if k.endswith(".quant_type")}
+    typed = {k: v for k, v in typed.items() if not k.endswith(".quant_type")}
+    fa_layers = {}
+    for attn, kind in fa.items():
+        if kind != "FP8_DYNAMIC":
+            raise AscendFormatError(
+                f"{attn}.quant_type: MindIE SD quantizes attention as FP8_DYNAMIC, got {kind!r}"
+            )
+        rots = []
+        for r in ("q_rot", "k_rot"):
+            t = weights.get(f"{attn}.{r}")
+            if t is None or typed.get(f"{attn}.{r}") != "FLOAT" or t.dim() != 2 or t.shape[0] != t.shape[1]:
+                raise AscendFormatError(f"{attn}: FP8RotateQuantFA needs {attn}.{r}, a square FLOAT matrix")
+            rots.append(t)
+        fa_layers[attn] = tuple(rots)
     for k, v in typed.items():
         if v != "FLOAT" and v.upper() not in MINDIE_QUANT_ALGOS:
             raise AscendFormatError(f"{k}: type {v!r} is neither FLOAT nor a QuantAlgorithm")
@@ -182,7 +203,7 @@ def read_ascend_dir(root: str | os.PathLike) -> AscendModelView:
         raise AscendFormatError(
             f"tensors typed but belonging to no quantized layer: {sorted(float_keys)[:3]}"
         )
-    return AscendModelView(mqt, desc, weights, layers, float_keys, group_size)
+    return AscendModelView(mqt, desc, weights, layers, float_keys, group_size, fa_layers)
 
 
 def mindie_linear(view: AscendLayerView, x: torch.Tensor, step: int | None = None) -> torch.Tensor:

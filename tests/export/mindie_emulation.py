@@ -138,3 +138,29 @@ def quantize(model: nn.Module, export_dir, dt: torch.dtype, policy: TimestepPoli
         layers[name] = MindieLinear(layer_view, dt, policy)
         setattr(model.get_submodule(parent), leaf, layers[name])
     return layers
+
+
+def mindie_fa(query, key, value, q_rot, k_rot, out_dtype=torch.bfloat16):
+    """MindIE SD's ``FP8RotateQuantFA`` on [B, S, N, D] tensors (B = 1, as its block quantization
+    squeezes the batch): Q and K times the exported rotations, to BNSD, Q per block of 128 tokens and
+    K, V per 256 by ``npu_dynamic_block_quant`` to FP8, then ``npu_fused_infer_attention_score_v2``
+    with the three quant modes 7 and ``softmax_scale = 1 / sqrt(D)`` (``mindiesd/quantization/layer.py``,
+    ``mindiesd/layers/quant/block_quant.py``, as quoted in docs/ascend.md)."""
+    import math
+
+    npu = FakeTorchNpu()
+    query, key = torch.matmul(query.float(), q_rot.float()), torch.matmul(key.float(), k_rot.float())
+    q, k, v = (t.transpose(1, 2).to(out_dtype) for t in (query, key, value))  # BNSD
+    (q8, qs), (k8, ks), (v8, vs) = (
+        npu.npu_dynamic_block_quant(
+            t.squeeze(0), dst_type=torch.float8_e4m3fn, row_block_size=rb, col_block_size=128
+        )
+        for t, rb in ((q, 128), (k, 256), (v, 256))
+    )
+    n, d = q.shape[1], q.shape[-1]
+    out, _ = npu.npu_fused_infer_attention_score_v2(
+        q8[None], k8[None], v8[None], input_layout="BNSD", num_query_heads=n, softmax_scale=1.0 / math.sqrt(d),
+        query_quant_mode=7, key_quant_mode=7, value_quant_mode=7, dequant_scale_query=qs[None],
+        dequant_scale_key=ks[None], dequant_scale_value=vs[None], out_dtype=out_dtype,
+    )  # fmt: skip
+    return out.transpose(1, 2)

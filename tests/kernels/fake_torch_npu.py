@@ -215,6 +215,59 @@ class FakeTorchNpu(types.ModuleType):
         out = out.transpose(1, 2).to(query.dtype)
         return out, stats[0], stats[1], query.new_empty(0), 0, 0, 0
 
+    def npu_dynamic_block_quant(
+        self, x, *, dst_type=torch.float8_e4m3fn, row_block_size=1, col_block_size=128
+    ):
+        """[..., R, C] -> (values in ``dst_type``, float32 scales [..., ceil(R / rb), ceil(C / cb)]): one
+        scale per block of ``row_block_size`` rows x ``col_block_size`` columns, absmax / 448 (e4m3),
+        the values rounded to nearest. MindIE SD's FP8RotateQuantFA calls it with blocks of 128 (Q) and
+        256 (K, V) tokens by 128 channels (``mindiesd/layers/quant/block_quant.py``); torch_npu's public
+        page documents int8 with 1 x 128 blocks only, so this follows MindIE SD's use."""
+        self._record("npu_dynamic_block_quant", x, dst_type=dst_type, row_block_size=row_block_size,
+                     col_block_size=col_block_size)  # fmt: skip
+        assert dst_type == torch.float8_e4m3fn, "the fake implements the float8_e4m3fn output only"
+        *lead, r, c = x.shape
+        rb, cb = row_block_size, col_block_size
+        pad = torch.nn.functional.pad(x.float(), (0, (-c) % cb, 0, (-r) % rb))
+        blocks = pad.unflatten(-1, (-1, cb)).unflatten(-3, (-1, rb))  # [..., R/rb, rb, C/cb, cb]
+        scale = blocks.abs().amax(dim=(-3, -1)) / 448.0
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        q = (blocks / scale[..., :, None, :, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
+        q = q.flatten(-2).flatten(-3, -2)[..., :r, :c]
+        return q, scale
+
+    def npu_fused_infer_attention_score_v2(self, query, key, value, *, input_layout="BSH", num_query_heads=1,
+                                           softmax_scale=1.0, query_quant_mode=0, key_quant_mode=0,
+                                           value_quant_mode=0, dequant_scale_query=None, dequant_scale_key=None,
+                                           dequant_scale_value=None, out_dtype=None, **unused):  # fmt: skip
+        """Only the FP8 per-block full quantization (modes 7; CANN's aclnnFusedInferAttentionScoreV5, Ascend
+        950) in BNSD: q, k, v float8_e4m3fn with float32 scales [B, N, ceil(S / 128), 1] (Q) and
+        [B, N, ceil(S / 256), 1] (K, V); each value dequantized with its block's scale, then attention in
+        float64. How the hardware rounds P is not documented: P stays exact here."""
+        self._record("npu_fused_infer_attention_score_v2", query, key, value, input_layout=input_layout,
+                     num_query_heads=num_query_heads, softmax_scale=softmax_scale, query_quant_mode=query_quant_mode,
+                     key_quant_mode=key_quant_mode, value_quant_mode=value_quant_mode, out_dtype=out_dtype)  # fmt: skip
+        assert not unused, f"the fake does not implement {sorted(unused)}"
+        assert input_layout == "BNSD" and query_quant_mode == key_quant_mode == value_quant_mode == 7
+        assert query.dtype == key.dtype == value.dtype == torch.float8_e4m3fn and out_dtype in HALF
+        b, n, sq, d = query.shape
+        sk = key.shape[2]
+        assert num_query_heads == n and key.shape == value.shape == (b, n, sk, d) and d <= 128
+        for scale, block, s in ((dequant_scale_query, 128, sq), (dequant_scale_key, 256, sk),
+                                (dequant_scale_value, 256, sk)):  # fmt: skip
+            assert scale.dtype == torch.float32 and tuple(scale.shape) == (b, n, math.ceil(s / block), 1)
+
+        def dequant(t, scale, block):
+            return t.double() * scale.double().repeat_interleave(block, dim=2)[:, :, : t.shape[2]]
+
+        q, k, v = (
+            dequant(query, dequant_scale_query, 128),
+            dequant(key, dequant_scale_key, 256),
+            dequant(value, dequant_scale_value, 256),
+        )
+        out, _, _ = self._masked_softmax_attention(q, k, v, None, softmax_scale)
+        return out.to(out_dtype), query.new_zeros(1, dtype=torch.float32)
+
     def npu_block_sparse_attention(self, query, key, value, block_sparse_mask, block_shape, *,
                                    q_input_layout="TND", kv_input_layout="TND", num_key_value_heads=1,
                                    scale_value=0.0, inner_precise=1, actual_seq_lengths=None,

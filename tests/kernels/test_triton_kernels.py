@@ -305,8 +305,8 @@ def test_block_sparse_attention(triton_on):
     ],
 )
 def test_quantized_attention(triton_on, qk, pv, rotate, dtype):
-    """Two query blocks of 128 and two key blocks of 64 (the quantization's), K offset per channel (what
-    the smoothing removes). The INT8 logits are the reference's bit for bit (the kernel writes them on
+    """Two key blocks of 64 (the quantization's, and P's), queries off the kernel's tiles, K offset per
+    channel (what the smoothing removes). The INT8 logits are the reference's bit for bit (the kernel writes them on
     request); the FP8 logits (an fp32 sum on the tensor cores, float64 in the reference) and the output
     (P quantized against the running maximum, the reference's against the final one) at SQNR."""
     from sdkiln.kernels.ops.quantized_attention import quantize_inputs, quantized_logits

@@ -24,6 +24,7 @@ import torch
 
 import sdkiln
 from sdkiln.configs import (
+    AttentionQuantConfig,
     CacheAutoConfig,
     CompileConfig,
     Deployment,
@@ -60,6 +61,17 @@ def packages(tmp_path_factory) -> dict[str, Path]:
     with pytest.warns(UserWarning, match="no plan reached"):  # a fixed plan, whatever its quality
         sdkiln.optimize("fmnist-flux", recipe, root / "sparse", eval_samples=0)
     out["sparse"] = root / "sparse"
+    # quantized attention: on FLUX's joint attention (replicated text), and with a sparse plan on Wan
+    # (whose attn2 attends the text: context keys, computed on each rank's own queries)
+    steps4 = Deployment(num_inference_steps=4)
+    attn = AttentionQuantConfig(calib_samples=1, sqnr_floor_db=20.0)
+    recipe = RecipeConfig("attn", [W8A8DynamicConfig(), attn], steps4)
+    sdkiln.optimize("flux-tiny", recipe, root / "attn", eval_samples=0)
+    sparse_attn = [attn, SparseAttentionConfig(sparsity=0.5, dense_steps=1, calib_samples=1)]
+    sdkiln.optimize(
+        "wan-tiny", RecipeConfig("attn-sparse", sparse_attn, steps4), root / "attn-wan", eval_samples=0
+    )
+    out["attn"], out["attn-wan"] = root / "attn", root / "attn-wan"
     out["lora"] = _flux_tiny_lora(root / "lora.safetensors")
     return out
 
@@ -110,6 +122,10 @@ def test_two_ranks_cfg_ulysses_ring_and_split_text_match_one_device(packages):
             (packages["guarded"], cfg, None, EXACT, CompileConfig(backend="eager", regional=True)),
             (packages["sparse"], uly, None, EXACT),  # block-sparse attention: each rank its heads' plan
             (packages["sparse"], cfg, None, EXACT),
+            (packages["attn"], uly, None, EXACT),  # quantized attention: each rank its heads, every key
+            (packages["attn"], cfg, None, EXACT),
+            (packages["attn-wan"], uly, None, EXACT),  # with a sparse plan; attn2 on local queries
+            (packages["attn-wan"], uly, odd_wan, EXACT),  # padded: per-token Q, padding rows alone
         ],
     )
 
@@ -194,6 +210,8 @@ def test_layouts_that_do_not_fit_the_launch_or_the_model_are_refused_clearly(pac
         ParallelError, match="block-sparse attention, which runs under Ulysses.*not under ring"
     ):
         sdkiln.load(packages["sparse"], device="cpu", parallel=ParallelConfig(ring=2))
+    with pytest.raises(ParallelError, match="quantized attention, which runs under Ulysses.*not under ring"):
+        sdkiln.load(packages["attn"], device="cpu", parallel=ParallelConfig(ring=2))
     assert layouts(4) == [
         "--ring 4", "--ulysses 2 --ring 2", "--ulysses 4", "--cfg-parallel --ring 2", "--cfg-parallel --ulysses 2",
     ]  # fmt: skip

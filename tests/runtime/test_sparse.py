@@ -226,7 +226,7 @@ def test_a_quantized_cached_sparse_package_round_trips(sparse_package):
     assert cache_runner(pipe.transformer) is not None and cache_runner(pipe.transformer).block_evaluations > 0
 
 
-def test_a_bad_plan_in_a_package_is_refused_and_compile_is_refused(sparse_package, tmp_path):
+def test_a_bad_plan_in_a_package_is_refused_and_compile_is_refused(sparse_package, tmp_path, rehash):
     _, path = sparse_package
     with pytest.raises(SdkilnError, match="compile with block-sparse attention is not supported"):
         sdkiln.load(path, device="cpu", compile=CompileConfig(backend="eager"))
@@ -242,17 +242,6 @@ def test_a_bad_plan_in_a_package_is_refused_and_compile_is_refused(sparse_packag
         shutil.copytree(path, bad)
         plan = json.loads((bad / PLAN_FILE).read_text())
         (bad / PLAN_FILE).write_text(json.dumps(change(plan)))
-        _rehash(bad, PLAN_FILE)
+        rehash(bad, PLAN_FILE)
         with pytest.raises(PackageError, match=match):
             sdkiln.load(bad, device="cpu")
-
-
-def _rehash(package, rel: str) -> None:
-    """Re-sign one changed file in the manifest, as a writer would, so only the plan's content is wrong."""
-    import hashlib
-
-    manifest = json.loads((package / "manifest.json").read_text())
-    data = (package / rel).read_bytes()
-    entry = manifest["files"][rel]
-    entry["sha256"], entry["size"] = hashlib.sha256(data).hexdigest(), len(data)
-    (package / "manifest.json").write_text(json.dumps(manifest))

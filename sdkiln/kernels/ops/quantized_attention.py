@@ -11,10 +11,12 @@ In order, each step in fp32 unless it says otherwise:
 2. **Smooth K**: ``k - mean(k)`` over the keys, per batch, head and channel. Every logit of a query
    changes by the same ``q · mean(k)``, which softmax cancels: exact in real arithmetic, and K's
    per-channel offset no longer spends the int8 range.
-3. **Quantize Q and K** per block of ``Q_BLOCK`` (128) queries and ``K_BLOCK`` (64) keys, per batch
-   and head: ``scale = absmax(block) / 127`` and ``round(x / scale)`` clamped to [-127, 127]
+3. **Quantize Q and K**, Q per query token and K per block of ``K_BLOCK`` (64) keys, per batch and
+   head: ``scale = absmax(block) / 127`` and ``round(x / scale)`` clamped to [-127, 127]
    (``qk="int8"``), or ``scale = absmax / 448`` and an e4m3fn cast of the clamped quotient
-   (``qk="fp8"``). A block of zeros gets scale 1.
+   (``qk="fp8"``). A block of zeros gets scale 1. Per token, a query's values do not depend on which
+   other queries share the call, so a rank holding part of the queries (sequence parallelism, padding)
+   quantizes them as one device does; a kernel reads one scale per query row either way.
 4. **Logits**: the exact integer (or exact fp8) products ``Qq Kqᵀ`` (float64, exact: at most D x
    127² per entry), converted to fp32, times ``scale_q * scale_k`` (fp32, that order), times the
    softmax scale (default 1/sqrt(D)); then the mask (boolean True attends, a float mask adds).
@@ -45,7 +47,8 @@ from sdkiln.kernels.ops.elementwise import contiguous_as
 from sdkiln.kernels.ops.fp8 import FP8_E4M3_MAX
 from sdkiln.kernels.registry import define
 
-Q_BLOCK = 128
+Q_BLOCK = 1
+"""Queries are quantized per token (a block of one)."""
 K_BLOCK = 64
 QK_FORMATS = ("int8", "fp8")
 PV_FORMATS = ("fp8", "int8", "float")

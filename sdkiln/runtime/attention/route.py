@@ -79,6 +79,8 @@ class AttentionRoute:
         (``sdkiln.runtime.parallel``); the backend reads it from the call."""
         self.sparse: Any = None
         """The block-sparse attention plan at run time (``sdkiln.runtime.sparse``), when one is attached."""
+        self.quantized: Any = None
+        """The attention-quantization plan at run time (``runtime.attention.quantized``), when one is attached."""
         self.originals: dict[str, Any] = {}
         """Site call kind -> what the unrouted processor calls (diffusers' ``dispatch_attention_fn``,
         ``torch.nn.functional``), for a backend that computes part of a call as diffusers would."""

@@ -59,9 +59,11 @@ def parallel_runtime(transformer: nn.Module) -> ParallelRuntime | None:
 
 
 def _give_back(transformer: nn.Module, route) -> None:
-    """Undo the parallel runtime's route: back to the sparse backend, or unrouted."""
+    """Undo the parallel runtime's route: back to the sparse or quantized backend, or unrouted."""
     if route.sparse is not None:
         route.use("sparse")
+    elif route.quantized is not None:
+        route.use("quantized")
     else:
         unroute_attention(transformer)
 
@@ -86,6 +88,12 @@ def enable_parallel(
         else:
             plan, lengths = to_diffusers_plan(spec.parallel_plan)
         route = attention_route(transformer)
+        if route is not None and route.quantized is not None and config.ring > 1:
+            raise ParallelError(
+                "this package runs quantized attention, which runs under Ulysses (each rank quantizes whole "
+                "heads over every key, as one device does) but not under ring attention (a rank's key blocks "
+                "would be smoothed and scaled apart from the others); use --ulysses alone"
+            )
         if route is not None and route.sparse is not None and config.ring > 1:
             raise ParallelError(
                 "this package runs block-sparse attention, which runs under Ulysses (each rank holds whole "
@@ -94,7 +102,7 @@ def enable_parallel(
             )
         if route is None:
             route = route_attention(transformer, spec, "parallel")
-        else:  # a sparse-attention plan: Ulysses computes each rank's heads under it
+        else:  # a sparse or quantized attention plan: Ulysses computes each rank's heads under it
             route.use("parallel")
         heads = {getattr(module, "heads", None) for module, _ in route.routed.values()} - {None}
         bad = sorted(h for h in heads if h % config.ulysses)

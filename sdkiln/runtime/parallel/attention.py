@@ -12,7 +12,10 @@ which positions are padding.
   then runs as the unrouted diffusers processor runs it (``AttentionCall.native``), on keys in the
   single-device order, so replicated text is bit-for-bit one device's result. With a block-sparse
   attention plan (``AttentionCall.sparse``) the plan computes it instead, on the real tokens, told
-  the rank's first global head. The output goes back
+  the rank's first global head; with an attention-quantization plan (``AttentionRoute.quantized``)
+  the plan computes it (Q is quantized per token and the keys are whole, in one device's order, so
+  each head's quantization is one device's), as it does a context-keys call on the local queries.
+  The output goes back
   by one all-to-all; the text rows by one all-gather of heads.
 * **Ring** (degree R): the K/V blocks travel around the ring with ``batch_isend_irecv``, two
   buffers, so a block's transfer overlaps the attention over the previous one (``sdkiln::attention``,
@@ -161,7 +164,10 @@ def parallel_attention(call: AttentionCall) -> Tensor:
         raise ParallelError(f"{call.name}: attention masks are not supported under sequence parallelism")
     mesh, config = layout.mesh, layout.mesh.config
     q_segs = segments(call.site.query_text, call.query.shape[1], layout)
+    quantized = call.processor._sdkiln_route.quantized
     if call.context_keys:  # keys are context (all text, or an image context), whole on every rank
+        if quantized is not None:  # queries per token, keys whole: one device's quantization
+            return quantized(dataclasses.replace(call, sequence=None))
         return call.native(call.query, call.key, call.value, scale=call.scale)
     k_segs = segments(call.site.key_text, call.key.shape[1], layout)
     if q_segs != k_segs:
@@ -192,10 +198,12 @@ def parallel_attention(call: AttentionCall) -> Tensor:
     if config.ring == 1:
         valid = _valid(shards, 0, u)
         k, v = joined(k_rep, _select(k_x, valid)), joined(v_rep, _select(v_x, valid))
-        if call.sparse is None:
-            out = call.native(q, k, v, scale=call.scale)
-        else:
+        if call.sparse is not None:  # its dense calls go to a quantization plan, if any
             out = _sparse(call, q_rep, q_x, k, v, valid, rep_first, head0)
+        elif quantized is not None:  # padded query rows are quantized alone (per token) and dropped
+            out = quantized(dataclasses.replace(call, query=q, key=k, value=v, sequence=None))
+        else:
+            out = call.native(q, k, v, scale=call.scale)
     else:
         out = _ring_attention(q, k_rep, v_rep, k_x, v_x, shards, layout, call.scale, rep_first)
     text = 0 if q_rep is None else q_rep.shape[1]

@@ -22,20 +22,25 @@ def attach_sparse_attention(
         raise SdkilnError(f"model family {spec.name!r} has no token grid: it has no block-sparse attention")
     transformer = getattr(pipeline, spec.transformer_attr)
     transformer = getattr(transformer, "_orig_mod", transformer)
-    route = route_attention(transformer, spec, "sparse")
+    route = attention_route(transformer)
+    joined = route is not None and route.quantized is not None  # quantized attention takes the dense calls
+    route = route if joined else route_attention(transformer, spec, "sparse")
+
+    def refuse(message: str):
+        if not joined:
+            unroute_attention(transformer)
+        raise ValueError(message)
+
     unknown = sorted(set(plan.layers) - set(route.routed))
     if unknown:
-        unroute_attention(transformer)
-        raise ValueError(
-            f"the plan names {unknown[0]!r}, which is not a routed attention module of {spec.name}"
-        )
+        refuse(f"the plan names {unknown[0]!r}, which is not a routed attention module of {spec.name}")
     heads = {name: int(getattr(module, "heads", 0)) for name, (module, _) in route.routed.items()}
     bad = sorted(n for n in plan.layers if heads[n] % plan.head_groups)
     if bad:
-        unroute_attention(transformer)
-        raise ValueError(f"{bad[0]}: {plan.head_groups} head groups do not divide its {heads[bad[0]]} heads")
+        refuse(f"{bad[0]}: {plan.head_groups} head groups do not divide its {heads[bad[0]]} heads")
     tracker = attach_step_tracker(pipeline, spec.transformer_attr)
     route.sparse = runner(plan, spec.token_grid, transformer, heads, tracker)
+    route.use("sparse")
     return route.sparse
 
 
@@ -45,8 +50,14 @@ def sparse_attention_of(transformer) -> SparseAttention | None:
 
 
 def detach_sparse_attention(transformer) -> None:
-    """Remove the plan and the route (the step tracker stays: other modules may follow it)."""
+    """Remove the plan and the route, unless an attention-quantization plan still uses it (the step
+    tracker stays: other modules may follow it)."""
     sparse = sparse_attention_of(transformer)
     if sparse is not None:
         sparse.remove()
-        unroute_attention(transformer)
+        route = attention_route(transformer)
+        route.sparse = None
+        if route.quantized is not None:  # the attention-quantization plan keeps the route
+            route.use("quantized")
+        else:
+            unroute_attention(transformer)

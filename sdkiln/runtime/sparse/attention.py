@@ -16,7 +16,8 @@ on, then:
 
 Every other call (a layer the plan leaves dense, cross-attention whose keys are context only, all
 text or an image context, the dense steps) runs as the unrouted diffusers processor would
-(``AttentionCall.native``). Under Ulysses the parallel backend calls ``SparseAttention`` on its
+(``AttentionCall.native``), or through the transformer's attention-quantization plan where it has
+one (``runtime.attention.quantized``). Under Ulysses the parallel backend calls ``SparseAttention`` on its
 whole-sequence, head-split call with the call's first global head, so the per-head plan applies
 unchanged; ring attention is refused (``sdkiln.runtime.parallel.apply``).
 """
@@ -112,6 +113,9 @@ class SparseAttention:
         if values is None or not self_attention or step < self.plan.dense_steps:
             self.stats["dense_calls"] += 1
             self.stats["computed_block_pairs"] += float(self_attention)
+            quantized = call.processor._sdkiln_route.quantized  # an attention-quantization plan takes these
+            if quantized is not None:
+                return quantized(call)
             return call.native(call.query, call.key, call.value, attn_mask=call.mask, scale=call.scale)
         layout = self.layout(call)
         key = (call.name, self._ordinal(call.name, step))
