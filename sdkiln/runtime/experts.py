@@ -5,7 +5,7 @@ each restored as a package's transformer is, with sections of its own.
 
 * ``model``: its fingerprint (``config_hash``, ``weights_hash``), ``transformer_class``, ``dtype``
   and ``nonpersistent_buffers``, the fields the package's ``model`` has for its transformer;
-* its sections, as a package has them: ``modules``, ``cache_schedule``, ``sparse_attention`` (their
+* its sections, as a package has them: ``modules``, ``cache_schedule``, ``attention_quant``, ``sparse_attention`` (their
   files under ``experts/<attr>/``);
 * ``steps``: what each recipe step decided on it (an audit record, as ``recipe.steps[i].result``).
 

@@ -102,6 +102,26 @@ def sections_of(manifest: dict[str, Any]) -> list[Section]:
     return [s for s in known.values() if s.present(manifest)]
 
 
+def section_file(manifest: dict[str, Any], name: str) -> str | None:
+    """The file of a section stored as ``{"file": "<rel>"}`` (a plan, a schedule), None when absent."""
+    entry = manifest.get(name)
+    if entry is None:
+        return None
+    if not isinstance(entry, dict) or not isinstance(entry.get("file"), str) or set(entry) != {"file"}:
+        raise PackageError(f"{MANIFEST}: {name} must be an object with a 'file', got {entry!r}")
+    return entry["file"]
+
+
+def transformer_spec(ctx: RestoreContext):
+    """The package's family spec, seen from the transformer ``ctx`` restores (an expert's own)."""
+    import dataclasses
+
+    from sdkiln.model_zoo import get_spec
+
+    spec = get_spec(ctx.manifest["model"]["family"], ctx.manifest["model"].get("variant"))
+    return dataclasses.replace(spec, transformer_attr=ctx.transformer_attr, experts=())
+
+
 def run_stage(stage: str, sections: list[Section], ctx: RestoreContext) -> None:
     """Run every section's handler for ``stage`` ("build" or "attach")."""
     for section in sections:

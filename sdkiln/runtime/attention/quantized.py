@@ -18,7 +18,6 @@ every key); ring attention with it is refused (``runtime.parallel.apply``).
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +30,7 @@ from sdkiln.kernels.ops.quantized_attention import PV_FORMATS, QK_FORMATS
 from sdkiln.runtime.attention.backends import AttentionCall, register_backend
 from sdkiln.runtime.attention.route import attention_route, route_attention, unroute_attention
 from sdkiln.runtime.denoising import attach_step_tracker
+from sdkiln.runtime.restore import RestoreContext, Section, section_file, transformer_spec
 
 PLAN_FILE = "attention/attention_quant.json"
 NAME = "attention_quant"
@@ -77,11 +77,6 @@ class AttentionQuantPlan:
         if entry is None:
             return None
         return entry if entry["steps"][step * self.num_steps // num_steps] else None
-
-    def quantized_fraction(self) -> float:
-        """The fraction of (layer, step) pairs that run quantized."""
-        pairs = [s for e in self.layers.values() for s in e["steps"]]
-        return sum(pairs) / len(pairs) if pairs else 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -199,35 +194,19 @@ def detach_attention_quant(transformer) -> None:
         unroute_attention(transformer)
 
 
-def _plan_file(manifest: dict[str, Any]) -> str | None:
-    entry = manifest.get(NAME)
-    if entry is None:
-        return None
-    if not isinstance(entry, dict) or not isinstance(entry.get("file"), str) or set(entry) != {"file"}:
-        raise PackageError(f"manifest.json: {NAME} must be an object with a 'file', got {entry!r}")
-    return entry["file"]
-
-
-def _attach(ctx) -> None:
-    from sdkiln.model_zoo import get_spec
+def _attach(ctx: RestoreContext) -> None:
     from sdkiln.model_zoo.fingerprint import config_hash
 
-    where = _plan_file(ctx.manifest)
+    where = section_file(ctx.manifest, NAME)
     plan = AttentionQuantPlan.from_dict(ctx.package.read_json(where), where)
     if plan.config_hash != config_hash(ctx.transformer.config):
         raise PackageError(f"{where}: the plan was calibrated for another transformer config")
-    spec = get_spec(ctx.manifest["model"]["family"], ctx.manifest["model"].get("variant"))
-    spec = dataclasses.replace(spec, transformer_attr=ctx.transformer_attr, experts=())
     try:
-        ctx.notes[NAME] = attach_attention_quant(ctx.pipeline, spec, plan)
+        ctx.notes[NAME] = attach_attention_quant(ctx.pipeline, transformer_spec(ctx), plan)
     except ValueError as exc:
         raise PackageError(f"{where}: {exc}") from None
 
 
-def _section():
-    from sdkiln.runtime.restore import Section
-
-    return Section(name=NAME, present=lambda manifest: _plan_file(manifest) is not None, attach=_attach)
-
-
-SECTION = _section()
+SECTION = Section(
+    name=NAME, present=lambda manifest: section_file(manifest, NAME) is not None, attach=_attach
+)

@@ -9,13 +9,11 @@ the scheduler's step).
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 from sdkiln.errors import PackageError
-from sdkiln.model_zoo import get_spec
 from sdkiln.model_zoo.fingerprint import config_hash
-from sdkiln.runtime.restore import RestoreContext, Section
+from sdkiln.runtime.restore import RestoreContext, Section, section_file, transformer_spec
 from sdkiln.runtime.sparse.apply import attach_sparse_attention
 from sdkiln.runtime.sparse.plan import SparseAttentionPlan
 
@@ -23,12 +21,7 @@ NAME = "sparse_attention"
 
 
 def plan_file(manifest: dict[str, Any]) -> str | None:
-    entry = manifest.get(NAME)
-    if entry is None:
-        return None
-    if not isinstance(entry, dict) or not isinstance(entry.get("file"), str) or set(entry) != {"file"}:
-        raise PackageError(f"manifest.json: {NAME} must be an object with a 'file', got {entry!r}")
-    return entry["file"]
+    return section_file(manifest, NAME)
 
 
 def attach_plan(ctx: RestoreContext) -> None:
@@ -36,10 +29,8 @@ def attach_plan(ctx: RestoreContext) -> None:
     plan = SparseAttentionPlan.from_dict(ctx.package.read_json(where), where)
     if plan.config_hash != config_hash(ctx.transformer.config):
         raise PackageError(f"{where}: the plan was calibrated for another transformer config")
-    spec = get_spec(ctx.manifest["model"]["family"], ctx.manifest["model"].get("variant"))
-    spec = dataclasses.replace(spec, transformer_attr=ctx.transformer_attr, experts=())  # an expert's own
     try:
-        ctx.notes["sparse_attention"] = attach_sparse_attention(ctx.pipeline, spec, plan)
+        ctx.notes["sparse_attention"] = attach_sparse_attention(ctx.pipeline, transformer_spec(ctx), plan)
     except ValueError as exc:
         raise PackageError(f"{where}: {exc}") from None
 
