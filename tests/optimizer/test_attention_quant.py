@@ -97,6 +97,20 @@ def test_quantized_attention_composes_with_sparse_attention_and_a_cache_on_wan_t
     assert quantized.stats["quantized_calls"] + quantized.stats["float_calls"] == sparse.stats["dense_calls"]
 
 
+@pytest.mark.parametrize("family", ["flux-tiny", pytest.param("wan-tiny", marks=pytest.mark.slow)])
+def test_the_default_recipe_with_attn_int8_loads_and_matches(family, tmp_path, assert_same_outputs):
+    """``default+attn-int8`` (wan-tiny's default has block-sparse attention too): about 10 s each."""
+    result = sdkiln.optimize(family, "default+attn-int8", tmp_path / "pkg", eval_samples=0)
+    kinds = [s["config"]["kind"] for s in result.manifest["recipe"]["steps"]]
+    assert kinds[kinds.index("quant_auto") + 1] == "attention_quant"
+    loaded = sdkiln.load(tmp_path / "pkg", device="cpu")
+    assert_same_outputs(result, loaded)
+    runner = attention_quant_of(loaded.transformer)
+    assert (runner is not None) == ("attention_quant" in result.manifest)
+    if runner is not None:
+        assert runner.stats["quantized_calls"] > 0
+
+
 def test_compile_and_a_bad_plan_are_refused(flux_package, tmp_path, rehash):
     _, path = flux_package
     with pytest.raises(SdkilnError, match="compile with quantized attention is not supported"):
