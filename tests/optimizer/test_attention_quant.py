@@ -184,6 +184,9 @@ def test_decisions_per_layer_and_step():
     assert decide(_Probe(sqnr), ["a"], 3, 30.0, False)[0] == {
         "a": {"rotate": False, "steps": [False, True, True]}
     }
+    # a layer measured without the rotation only (a head dim that is no power of two)
+    plan, _ = decide(_Probe({("d", 0, False): 40.0}), ["d"], 1, 30.0, None)
+    assert plan == {"d": {"rotate": False, "steps": [True]}}
 
 
 def test_a_run_at_another_step_count_follows_the_plan_by_position():

@@ -111,7 +111,8 @@ def decide(
     for name in layers:
         by_rotation = {r: [probe.sqnr.get((name, s, r)) for s in range(num_steps)] for r in probe.rotations}
         seen = {r: [x for x in v if x is not None] for r, v in by_rotation.items()}
-        if not any(seen.values()):
+        seen = {r: v for r, v in seen.items() if v}  # a head dim that is no power of two: never rotated
+        if not seen:
             continue
         rotate = fixed if fixed is not None else max(seen, key=lambda r: (float(np.mean(seen[r])), not r))
         values = by_rotation[rotate]
