@@ -36,11 +36,13 @@ from sdkiln.export.ascend_schemes import FLOAT_TAG, NEEDS_DEPLOY_DTYPE, AscendLa
 from sdkiln.export.atomic import atomic_directory
 from sdkiln.kernels.ops.quantized_attention import hadamard
 from sdkiln.model_zoo import get_spec
+from sdkiln.model_zoo.fingerprint import config_hash
 from sdkiln.runtime.attention.quantized import AttentionQuantPlan
 from sdkiln.runtime.components import component_tensors
 from sdkiln.runtime.manifest_schema import short
 from sdkiln.runtime.package import open_package
 from sdkiln.runtime.quant import by_recipe_kind, scheme_classes
+from sdkiln.runtime.restore import section_file
 
 FILE_MODE = 0o640
 DIR_MODE = 0o750
@@ -310,10 +312,16 @@ def export_ascend(
     files = ascend_files(manifest, tensors, _deploy_dtype(manifest["model"].get("dtype"), dtype))
     description, weights = files.description, files.weights
     attention = None
-    if "attention_quant" in manifest:
-        where = manifest["attention_quant"]["file"]
+    where = section_file(manifest, "attention_quant")
+    if where is not None:
         plan = AttentionQuantPlan.from_dict(pkg.read_json(where), where)
-        head_dim = pkg.read_json(f"{attr}/config.json").get("attention_head_dim")
+        config = pkg.read_json(f"{attr}/config.json")
+        if plan.config_hash != config_hash(config):
+            raise PackageError(f"{where}: the plan was calibrated for another transformer config")
+        stray = sorted(n for n in plan.layers if not any(k.startswith(f"{n}.") for k in tensors))
+        if stray:
+            raise PackageError(f"{where}: the plan names {stray[0]!r}, which is no module of the transformer")
+        head_dim = config.get("attention_head_dim")
         if not isinstance(head_dim, int):
             raise PackageError(
                 f"{attr}/config.json: no attention_head_dim to size the attention rotations by"

@@ -118,4 +118,11 @@ def detach_step_tracker(transformer: nn.Module) -> None:
 
 
 def needs_step_tracker(transformer: nn.Module) -> bool:
+    """Whether something still follows the step: a module with ``needs_step``, or an attention plan
+    (block-sparse, quantized) on the transformer's attention route."""
+    from sdkiln.runtime.attention.route import attention_route
+
+    route = attention_route(transformer)
+    if route is not None and (route.sparse is not None or route.quantized is not None):
+        return True
     return any(getattr(m, "needs_step", False) for m in _unwrapped(transformer).modules())

@@ -95,6 +95,12 @@ def test_quantized_attention_composes_with_sparse_attention_and_a_cache_on_wan_t
     quantized, sparse = attention_quant_of(loaded.transformer), sparse_attention_of(loaded.transformer)
     assert quantized.stats["quantized_calls"] > 0 and sparse.stats["sparse_calls"] > 0
     assert quantized.stats["quantized_calls"] + quantized.stats["float_calls"] == sparse.stats["dense_calls"]
+    # the step tracker stays while the plans follow it, whoever attached it first (the cache did)
+    from sdkiln.runtime.cache import detach_cache
+    from sdkiln.runtime.denoising import step_tracker
+
+    detach_cache(loaded.transformer)
+    assert step_tracker(loaded.transformer) is not None
 
 
 @pytest.mark.parametrize("family", ["flux-tiny", pytest.param("wan-tiny", marks=pytest.mark.slow)])

@@ -212,6 +212,8 @@ def test_layouts_that_do_not_fit_the_launch_or_the_model_are_refused_clearly(pac
         sdkiln.load(packages["sparse"], device="cpu", parallel=ParallelConfig(ring=2))
     with pytest.raises(ParallelError, match="quantized attention, which runs under Ulysses.*not under ring"):
         sdkiln.load(packages["attn"], device="cpu", parallel=ParallelConfig(ring=2))
+    with pytest.raises(ParallelError, match="quantized attention.*drop --split-text"):
+        sdkiln.load(packages["attn"], device="cpu", parallel=ParallelConfig(ulysses=2, split_text=True))
     assert layouts(4) == [
         "--ring 4", "--ulysses 2 --ring 2", "--ulysses 4", "--cfg-parallel --ring 2", "--cfg-parallel --ulysses 2",
     ]  # fmt: skip

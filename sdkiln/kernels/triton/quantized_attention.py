@@ -11,8 +11,9 @@ tiles through an online softmax in fp32.
   its order (launched without multiply-add contraction), so the int8 logits are the reference's bit
   for bit (``LOGITS`` writes them, for the test that says so).
 * **PV**: P = exp(logits - running max), quantized as the reference quantizes it (``P * 448`` to e4m3,
-  or ``P * 127`` rounded to int8), times the quantized V tile in the MMA's format, accumulated in fp32
-  with the online softmax's rescaling; at the end ``/ 448 * scale_v / l``. P is quantized against the
+  or ``P * 127`` rounded to int8), times the quantized V tile in the MMA's format, each tile's product
+  in fp32 (on Hopper an fp8 MMA accumulates with fewer bits within a tile, Triton's default), the
+  tiles summed in fp32 with the online softmax's rescaling; at the end ``/ 448 * scale_v / l``. P is quantized against the
   maximum so far (as SageAttention does), over key tiles of ``K_BLOCK`` (64) keys, which is how the
   reference defines it; the rescaling's fp32 order differs from the reference's, so the output is
   compared at SQNR. ``pv="float"`` is the plain flash product in the inputs' dtype.
@@ -38,6 +39,9 @@ from sdkiln.kernels.triton.configs import INTERPRET, KERNEL_NAME, attention_conf
 from sdkiln.kernels.triton.rounding import fp8_rne, rounded
 from sdkiln.kernels.triton.rows import FLOATS
 
+MIN_DOT_K = 32
+"""Triton's NVIDIA backend takes 8-bit ``tl.dot`` operands with an inner dimension of 32 or more: a
+head dim of 16 runs the reference on a GPU."""
 FP8_MIN_CAPABILITY = (8, 9)
 INT8_MIN_CAPABILITY = (8, 0)
 QK_INT8, QK_FP8 = 0, 1
@@ -187,6 +191,7 @@ def _fits(q, k, v, mask, scale, qk, pv, rotate) -> bool:
         and k.dtype == v.dtype == q.dtype
         and q.shape[-1] in HEAD_DIMS
         and v.shape[-1] in HEAD_DIMS
+        and (INTERPRET or q.shape[-1] >= MIN_DOT_K)
     )
 
 

@@ -68,14 +68,15 @@ class ErrorProbe:
     """The route's quantized-attention runner during calibration: every call runs in float and its
     quantized twins are measured (``sqnr``: (layer, step, rotate) -> the lowest SQNR seen)."""
 
-    def __init__(self, config: AttentionQuantConfig, rotations: tuple[bool, ...], tracker):
-        self.config, self.rotations, self.tracker = config, rotations, tracker
+    def __init__(self, config: AttentionQuantConfig, rotations: tuple[bool, ...], tracker, num_steps: int):
+        self.config, self.rotations, self.tracker, self.num_steps = config, rotations, tracker, num_steps
         self.sqnr: dict[tuple[str, int, bool], float] = {}
         self.calls = 0
 
     def __call__(self, call: AttentionCall) -> torch.Tensor:
         ref = call.native(call.query, call.key, call.value, attn_mask=call.mask, scale=call.scale)
-        step, d = self.tracker.step, call.query.shape[-1]
+        # the plan's step (the run's, mapped as the runtime maps it: second-order schedulers run more)
+        step, d = self.tracker.step * self.num_steps // self.tracker.num_steps, call.query.shape[-1]
         power_of_two = not d & (d - 1)
         if self.rotations == (True,) and not power_of_two:
             raise RecipeError(
@@ -139,11 +140,14 @@ def apply_attention_quant(ctx: TransformContext, config: AttentionQuantConfig) -
     condition = spec.condition(call, len(prompts))
     reference, _ = generate(ctx.pipeline, call, prompts, seeds, len(prompts), "float attention", condition)
 
-    route = route_attention(ctx.transformer, spec, "quantized")
-    layers = list(route.routed)
     fixed = {"on": True, "off": False}.get(config.rotate)
     rotations = (fixed,) if fixed is not None else (False, True)
-    probe = ErrorProbe(config, rotations, attach_step_tracker(ctx.pipeline, spec.transformer_attr))
+    tracker = attach_step_tracker(
+        ctx.pipeline, spec.transformer_attr
+    )  # before routing: a failure routes nothing
+    route = route_attention(ctx.transformer, spec, "quantized")
+    layers = list(route.routed)
+    probe = ErrorProbe(config, rotations, tracker, num_steps)
     route.quantized = probe
     try:
         generate(ctx.pipeline, call, prompts, seeds, len(prompts), "attention errors", condition)

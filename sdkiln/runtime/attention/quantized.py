@@ -161,6 +161,7 @@ def attach_attention_quant(pipeline: Any, spec, plan: AttentionQuantPlan) -> Qua
     ValueError when the plan names a layer that is not one of the family's attention modules."""
     transformer = getattr(pipeline, spec.transformer_attr)
     transformer = getattr(transformer, "_orig_mod", transformer)
+    tracker = attach_step_tracker(pipeline, spec.transformer_attr)  # before routing: a failure routes nothing
     route = attention_route(transformer)
     joined = route is not None
     if joined and route.sparse is None:
@@ -169,14 +170,28 @@ def attach_attention_quant(pipeline: Any, spec, plan: AttentionQuantPlan) -> Qua
         )
     route = route if joined else route_attention(transformer, spec, "quantized")
     unknown = sorted(set(plan.layers) - set(route.routed))
-    if unknown:
+    rotated = [n for n, e in plan.layers.items() if e["rotate"] and n in route.routed]
+    odd = [n for n in rotated if not _power_of_two_heads(route.routed[n][0])]
+    if unknown or odd:
         if not joined:
             unroute_attention(transformer)
-        raise ValueError(
-            f"the plan names {unknown[0]!r}, which is not a routed attention module of {spec.name}"
-        )
-    route.quantized = QuantizedAttention(plan, attach_step_tracker(pipeline, spec.transformer_attr))
+        if unknown:
+            raise ValueError(
+                f"the plan names {unknown[0]!r}, which is not a routed attention module of {spec.name}"
+            )
+        raise ValueError(f"{odd[0]}: the plan rotates it, and its head dim is no power of two")
+    route.quantized = QuantizedAttention(plan, tracker)
     return route.quantized
+
+
+def _power_of_two_heads(module) -> bool:
+    """Whether the attention module's head dim (its query projection's width over its heads) is a power
+    of two; True where the module does not say (the op then refuses at the call)."""
+    heads, to_q = getattr(module, "heads", None), getattr(module, "to_q", None)
+    if not isinstance(heads, int) or heads < 1 or not hasattr(to_q, "out_features"):
+        return True
+    d = to_q.out_features // heads
+    return d > 0 and not d & (d - 1)
 
 
 def attention_quant_of(transformer) -> QuantizedAttention | None:
@@ -185,12 +200,12 @@ def attention_quant_of(transformer) -> QuantizedAttention | None:
 
 
 def detach_attention_quant(transformer) -> None:
-    """Remove the plan (and the route, unless a sparse plan still uses it)."""
+    """Remove the plan (and the route, unless a sparse plan or the parallel runtime still uses it)."""
     route = attention_route(transformer)
     if route is None or route.quantized is None:
         return
     route.quantized = None
-    if route.sparse is None:
+    if route.sparse is None and route.backend_name != "parallel":  # the parallel runtime keeps its route
         unroute_attention(transformer)
 
 

@@ -88,6 +88,11 @@ def enable_parallel(
         else:
             plan, lengths = to_diffusers_plan(spec.parallel_plan)
         route = attention_route(transformer)
+        if route is not None and route.quantized is not None and config.split_text:
+            raise ParallelError(
+                "this package runs quantized attention, whose key blocks must follow one device's token order; "
+                "with the text split across ranks the keys arrive in another order: drop --split-text"
+            )
         if route is not None and route.quantized is not None and config.ring > 1:
             raise ParallelError(
                 "this package runs quantized attention, which runs under Ulysses (each rank quantizes whole "

@@ -40,7 +40,8 @@ def attach_sparse_attention(
         refuse(f"{bad[0]}: {plan.head_groups} head groups do not divide its {heads[bad[0]]} heads")
     tracker = attach_step_tracker(pipeline, spec.transformer_attr)
     route.sparse = runner(plan, spec.token_grid, transformer, heads, tracker)
-    route.use("sparse")
+    if route.backend_name != "parallel":  # under the parallel runtime its backend calls the plan
+        route.use("sparse")
     return route.sparse
 
 
@@ -57,6 +58,8 @@ def detach_sparse_attention(transformer) -> None:
         sparse.remove()
         route = attention_route(transformer)
         route.sparse = None
+        if route.backend_name == "parallel":  # the parallel runtime keeps its route
+            return
         if route.quantized is not None:  # the attention-quantization plan keeps the route
             route.use("quantized")
         else:
