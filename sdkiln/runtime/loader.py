@@ -62,6 +62,19 @@ from sdkiln.runtime.sparse import restore as sparse_restore
 log = logging.getLogger("sdkiln.load")
 
 
+def _attention_plans(manifest: dict, sections: list) -> set[str]:
+    """The attention-plan sections (block-sparse, quantized) of the package's transformer and of every
+    expert's view: compile refuses them wherever they are."""
+    from sdkiln.runtime.experts import NAME as EXPERTS
+    from sdkiln.runtime.experts import expert_views
+
+    names = {s.name for s in sections}
+    if EXPERTS in manifest:
+        for view in expert_views(manifest).values():
+            names |= {s.name for s in restore.sections_of(view)}
+    return names & {sparse_restore.NAME, "attention_quant"}
+
+
 def build_transformer(pkg: Package, info: dict | None = None) -> nn.Module:
     """The package's transformer class from its config, on the meta device, within the allocation
     budget its stored tensors allow (``runtime.components``). ``info``: the model fields of the
@@ -353,13 +366,14 @@ def load(
     pkg = open_package(path, digest=digest)
     _check_refusals(pkg.manifest, parallel, compile)
     sections = restore.sections_of(pkg.manifest)
-    if compile is not None and any(s.name == sparse_restore.NAME for s in sections):
+    planned = _attention_plans(pkg.manifest, sections) if compile is not None else set()
+    if sparse_restore.NAME in planned:
         raise SdkilnError(
             "compile with block-sparse attention is not supported yet: the sparse backend breaks the compiled "
             "graph inside the routed attention processors and reads each layer's own plan, so every block "
             "would compile its own graph (docs/sparsity.md); load this package without compile"
         )
-    if compile is not None and any(s.name == "attention_quant" for s in sections):
+    if "attention_quant" in planned:
         raise SdkilnError(
             "compile with quantized attention is not supported yet: its backend reads each layer's own plan and "
             "the denoising step, so every block would compile its own graph per step (docs/attention-quantization.md); load "

@@ -258,3 +258,33 @@ def test_the_first_expert_frees_its_cache_buffers_when_its_window_ends(a14b):
         handle.remove()
     states_seen, tensors = held[0]
     assert states_seen > 0 and tensors == 0, held  # the branches' states are there, their tensors freed
+
+
+def test_quantized_attention_runs_on_each_expert_and_compile_is_refused(tmp_path):
+    """Each expert gets its own attention-quantization plan (an expert's steps only), the package loads
+    with both, and compile is refused for an expert's plan as for the main transformer's."""
+    from sdkiln.configs import AttentionQuantConfig, Deployment
+    from sdkiln.errors import SdkilnError
+    from sdkiln.runtime.attention.quantized import attention_quant_of
+
+    attn = AttentionQuantConfig(calib_samples=1, sqnr_floor_db=0.0, psnr_floor_db=0.0)
+    recipe = RecipeConfig("attn", [attn], Deployment(num_inference_steps=4))
+    result = sdkiln.optimize(NAME, recipe, tmp_path / "pkg", eval_samples=0, progress=False)
+    assert "attention_quant" in result.manifest and "attention_quant" in result.manifest["experts"][EXPERT]
+    loaded = sdkiln.load(tmp_path / "pkg", device="cpu")
+    call = {**loaded.sdkiln_manifest["call"]["defaults"], "output_type": "latent"}
+    loaded(prompt="a cat", generator=torch.Generator().manual_seed(0), **call)
+    for attr in ("transformer", EXPERT):
+        runner = attention_quant_of(getattr(loaded, attr))
+        assert runner.stats["quantized_calls"] > 0, attr
+        steps = [s for e in runner.plan.layers.values() for s, q in enumerate(e["steps"]) if q]
+        assert steps and len(set(steps)) < 4  # each expert runs part of the steps only
+    with pytest.raises(SdkilnError, match="compile with quantized attention"):
+        sdkiln.load(tmp_path / "pkg", device="cpu", compile=CompileConfig())
+    # the expert's plan alone: still refused
+    manifest = json.loads((tmp_path / "pkg" / "manifest.json").read_text())
+    del manifest["attention_quant"]
+    (tmp_path / "pkg" / "manifest.json").write_text(json.dumps(manifest))
+    assert attention_quant_of(sdkiln.load(tmp_path / "pkg", device="cpu").transformer) is None
+    with pytest.raises(SdkilnError, match="compile with quantized attention"):
+        sdkiln.load(tmp_path / "pkg", device="cpu", compile=CompileConfig())
