@@ -32,7 +32,6 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from sdkiln import kernels
 from sdkiln.calibrate.loop import PromptLoop
 from sdkiln.configs.quant import AttentionQuantConfig
 from sdkiln.errors import RecipeError
@@ -48,6 +47,7 @@ from sdkiln.runtime.attention.quantized import (
     AttentionQuantPlan,
     attach_attention_quant,
     detach_attention_quant,
+    quantized_call,
 )
 from sdkiln.runtime.denoising import attach_step_tracker
 
@@ -85,16 +85,7 @@ class ErrorProbe:
         for rotate in self.rotations:
             if rotate and not power_of_two:  # measured without the rotation only
                 continue
-            out, _ = kernels.quantized_attention(
-                call.query,
-                call.key,
-                call.value,
-                call.mask,
-                call.scale,
-                self.config.qk,
-                self.config.pv,
-                rotate,
-            )
+            out = quantized_call(call, self.config.qk, self.config.pv, rotate)
             low = float(per_sample_sqnr(ref, out).min())
             key = (call.name, step, rotate)
             self.sqnr[key] = min(self.sqnr.get(key, math.inf), low)

@@ -131,17 +131,15 @@ class QuantizedAttention:
             self.stats["float_calls"] += 1
             return call.native(call.query, call.key, call.value, attn_mask=call.mask, scale=call.scale)
         self.stats["quantized_calls"] += 1
-        out, _ = kernels.quantized_attention(
-            call.query,
-            call.key,
-            call.value,
-            call.mask,
-            call.scale,
-            self.plan.qk,
-            self.plan.pv,
-            entry["rotate"],
-        )
-        return out
+        return quantized_call(call, self.plan.qk, self.plan.pv, entry["rotate"])
+
+
+def quantized_call(call: AttentionCall, qk: str, pv: str, rotate: bool) -> Tensor:
+    """The routed call's attention through ``sdkiln::quantized_attention`` in those formats."""
+    out, _ = kernels.quantized_attention(
+        call.query, call.key, call.value, call.mask, call.scale, qk, pv, rotate
+    )
+    return out
 
 
 @register_backend("quantized")
