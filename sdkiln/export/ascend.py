@@ -37,6 +37,7 @@ from sdkiln.export.atomic import atomic_directory
 from sdkiln.kernels.ops.quantized_attention import hadamard
 from sdkiln.model_zoo import get_spec
 from sdkiln.model_zoo.fingerprint import config_hash
+from sdkiln.runtime.attention.quantized import NAME as ATTENTION_QUANT
 from sdkiln.runtime.attention.quantized import AttentionQuantPlan
 from sdkiln.runtime.components import component_tensors
 from sdkiln.runtime.manifest_schema import short
@@ -312,7 +313,7 @@ def export_ascend(
     files = ascend_files(manifest, tensors, _deploy_dtype(manifest["model"].get("dtype"), dtype))
     description, weights = files.description, files.weights
     attention = None
-    where = section_file(manifest, "attention_quant")
+    where = section_file(manifest, ATTENTION_QUANT)
     if where is not None:
         plan = AttentionQuantPlan.from_dict(pkg.read_json(where), where)
         config = pkg.read_json(f"{attr}/config.json")

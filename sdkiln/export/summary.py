@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from sdkiln.errors import PackageError
+from sdkiln.runtime.attention.quantized import NAME as ATTENTION_QUANT
 from sdkiln.runtime.attention.quantized import AttentionQuantPlan
 from sdkiln.runtime.cache.restore import schedule_file
 from sdkiln.runtime.cache.schedule import CacheSchedule
@@ -17,7 +18,7 @@ from sdkiln.runtime.components import stored_infos
 from sdkiln.runtime.experts import expert_views
 from sdkiln.runtime.memory.table import memory_table
 from sdkiln.runtime.package import Package
-from sdkiln.runtime.restore import sections_of
+from sdkiln.runtime.restore import section_file, sections_of
 from sdkiln.runtime.safetensors_data import DTYPES
 
 # A quantized weight stored as uint8 holds two int4 values a byte (W4A16, ``sdkiln.kernels.int4``).
@@ -129,12 +130,12 @@ def _transformer(pkg: Package, m: dict[str, Any]) -> dict[str, Any]:
 def _attention_quant(pkg: Package, m: dict[str, Any]) -> dict[str, Any] | None:
     """The attention-quantization plan's formats, its layers, and the fraction of (layer, denoising step)
     pairs over every attention layer that run quantized (the step's record)."""
-    entry = m.get("attention_quant")
-    if entry is None:
+    where = section_file(m, ATTENTION_QUANT)
+    if where is None:
         return None
-    plan = AttentionQuantPlan.from_dict(pkg.read_json(entry["file"]), entry["file"])
+    plan = AttentionQuantPlan.from_dict(pkg.read_json(where), where)
     return {
-        "file": entry["file"],
+        "file": where,
         "qk": plan.qk,
         "pv": plan.pv,
         "layers": len(plan.layers),

@@ -44,6 +44,7 @@ from sdkiln import kernels
 from sdkiln.configs.runtime import CompileConfig, MemoryConfig, ParallelConfig
 from sdkiln.errors import PackageError, ParallelError, SdkilnError, third_party
 from sdkiln.runtime import lora, restore
+from sdkiln.runtime.attention.quantized import NAME as ATTENTION_QUANT
 from sdkiln.runtime.components import (
     BUDGET_MARGIN,
     assemble,
@@ -72,7 +73,7 @@ def _attention_plans(manifest: dict, sections: list) -> set[str]:
     if EXPERTS in manifest:
         for view in expert_views(manifest).values():
             names |= {s.name for s in restore.sections_of(view)}
-    return names & {sparse_restore.NAME, "attention_quant"}
+    return names & {sparse_restore.NAME, ATTENTION_QUANT}
 
 
 def build_transformer(pkg: Package, info: dict | None = None) -> nn.Module:
@@ -373,7 +374,7 @@ def load(
             "graph inside the routed attention processors and reads each layer's own plan, so every block "
             "would compile its own graph (docs/sparsity.md); load this package without compile"
         )
-    if "attention_quant" in planned:
+    if ATTENTION_QUANT in planned:
         raise SdkilnError(
             "compile with quantized attention is not supported yet: its backend reads each layer's own plan and "
             "the denoising step, so every block would compile its own graph per step (docs/attention-quantization.md); load "

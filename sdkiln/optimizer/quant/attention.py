@@ -71,7 +71,6 @@ class ErrorProbe:
     def __init__(self, config: AttentionQuantConfig, rotations: tuple[bool, ...], tracker, num_steps: int):
         self.config, self.rotations, self.tracker, self.num_steps = config, rotations, tracker, num_steps
         self.sqnr: dict[tuple[str, int, bool], float] = {}
-        self.calls = 0
 
     def __call__(self, call: AttentionCall) -> torch.Tensor:
         ref = call.native(call.query, call.key, call.value, attn_mask=call.mask, scale=call.scale)
@@ -89,7 +88,6 @@ class ErrorProbe:
             low = float(per_sample_sqnr(ref, out).min())
             key = (call.name, step, rotate)
             self.sqnr[key] = min(self.sqnr.get(key, math.inf), low)
-        self.calls += 1
         return ref
 
 
