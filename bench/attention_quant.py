@@ -10,6 +10,8 @@ at, the cache schedule's block evaluations, and the minutes. Checks, issue 36's 
 accuracy within 2 points of the default recipe's: the default alone may miss the first bar).
 
     OMP_NUM_THREADS=2 python bench/attention_quant.py     # about 15 minutes on 2 cores
+    OMP_NUM_THREADS=2 python bench/attention_quant.py --recipes default default+attn-fp8-ascend \
+        --out bench/results/attention_quant_ascend_fmnist.json   # MindIE SD's FP8 blocks
 
 JSON to bench/results/attention_quant_fmnist.json.
 """
@@ -91,6 +93,9 @@ def _quality(report: dict) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--fp8", action="store_true", help="also default + attn-fp8")
+    parser.add_argument(
+        "--recipes", nargs="+", default=["default", "default+attn-int8"], help="the recipes measured, in order"
+    )
     parser.add_argument("--out", default=str(ROOT / "bench/results/attention_quant_fmnist.json"))
     args = parser.parse_args(argv)
     started = time.perf_counter()
@@ -98,7 +103,7 @@ def main(argv: list[str] | None = None) -> dict:
     spec = get_spec("fmnist-flux")
     base = spec.build()
     base.set_progress_bar_config(disable=True)
-    recipes = ["default", "default+attn-int8"] + (["default+attn-fp8"] if args.fp8 else [])
+    recipes = list(args.recipes) + (["default+attn-fp8"] if args.fp8 else [])
     rows = []
     for recipe in recipes:  # each row kept as it comes: a later failure loses nothing measured
         rows.append(_row(recipe, base, spec))

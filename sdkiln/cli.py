@@ -203,8 +203,9 @@ def cmd_inspect(args) -> int:
             )
     if summary.get("attention_quant"):
         a = summary["attention_quant"]
+        blocks = " in MindIE SD's FP8 blocks" if a["layout"] == "mindie" else ""
         print(
-            f"quantized attention: {a['qk']} QK, {a['pv']} PV on {a['layers']} layers ({a['rotated_layers']} rotated), "
+            f"quantized attention: {a['qk']} QK, {a['pv']} PV{blocks} on {a['layers']} layers ({a['rotated_layers']} rotated), "
             f"{a['quantized_fraction']:.1%} of the attention layers' denoising steps ({a['file']})"
         )
     for attr, e in summary["experts"].items():

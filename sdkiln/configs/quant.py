@@ -322,6 +322,10 @@ class AttentionQuantConfig(RecipeStep):
     where the lowest SQNR of its outputs over the samples reaches ``sqnr_floor_db``. The plan then runs
     end to end on the same samples: where the mean PSNR of the images against float attention misses
     ``psnr_floor_db``, the per-call floor rises by ``floor_step_db``, up to ``retries`` times.
+
+    ``layout="mindie"`` (FP8 only; the recipe ``attn-fp8-ascend``) calibrates ``sdkiln::fp8_block_attention``
+    instead: MindIE SD's FP8RotateQuantFA arithmetic (Q per 128 tokens, K and V per 256, no K smoothing, P
+    unquantized), so that the decisions ``export-ascend`` writes were measured on what Ascend computes.
     """
 
     kind: ClassVar[str] = "attention_quant"
@@ -332,6 +336,7 @@ class AttentionQuantConfig(RecipeStep):
     qk: str = "int8"
     pv: str = "fp8"
     rotate: str = "auto"
+    layout: str = "sage"
     sqnr_floor_db: float = 30.0
     psnr_floor_db: float = 38.0
     """An error 38 dB below the image adds about 1 dB at most to a package at 31 dB (powers add)."""
@@ -344,6 +349,9 @@ class AttentionQuantConfig(RecipeStep):
 
         if self.qk not in QK_FORMATS or self.pv not in PV_FORMATS:
             raise ValueError(f"qk is one of {', '.join(QK_FORMATS)} and pv one of {', '.join(PV_FORMATS)}")
+        from sdkiln.runtime.attention.quantized import check_layout
+
+        check_layout(self.layout, self.qk, self.pv)
         if self.rotate not in ATTENTION_ROTATIONS:
             raise ValueError(f"rotate is one of {', '.join(ATTENTION_ROTATIONS)}, got {self.rotate!r}")
         for name in ("sqnr_floor_db", "psnr_floor_db", "floor_step_db"):

@@ -30,7 +30,7 @@ import torch
 from safetensors.torch import save_file
 from torch import Tensor
 
-from sdkiln.configs import QuantStep, RecipeConfig, SmoothQuantConfig
+from sdkiln.configs import AttentionQuantConfig, QuantStep, RecipeConfig, SmoothQuantConfig
 from sdkiln.errors import PackageError, RecipeError
 from sdkiln.export.ascend_schemes import FLOAT_TAG, NEEDS_DEPLOY_DTYPE, AscendLayer, ascend_layer_tensors
 from sdkiln.export.atomic import atomic_directory
@@ -192,22 +192,27 @@ def fa_quant(
     ``"<attn>.quant_type": "FP8_DYNAMIC"`` in the description and ``<attn>.q_rot``, ``<attn>.k_rot``
     ([D, D], FLOAT; the Hadamard rotation the plan chose, or the identity) in the weights. MindIE SD
     quantizes such a layer at every step, so only the layers the plan quantizes at every step are
-    written (never a (layer, step) the plan keeps float), and only an FP8 plan (MindIE SD's FA
-    quantization is FP8 throughout). Returns (tensors, description entries, what was carried)."""
+    written (never a (layer, step) the plan keeps float), and only a plan calibrated in MindIE SD's own
+    arithmetic (``layout="mindie"``, the recipe ``attn-fp8-ascend``: its decisions were measured on what
+    Ascend computes; a SageAttention-layout plan's were not). Returns (tensors, description entries,
+    what was carried)."""
     tensors: dict[str, tuple[Tensor, str]] = {}
     entries: dict[str, str] = {}
     every = sorted(n for n, e in plan.layers.items() if all(e["steps"]))
     pairs = sum(sum(e["steps"]) for e in plan.layers.values())
     carried = {
         "formats": f"{plan.qk}/{plan.pv}",
+        "layout": plan.layout,
         "plan_layers": len(plan.layers),
         "layers": 0,
         "left_float_pairs": pairs,
     }
-    if (plan.qk, plan.pv) != ("fp8", "fp8"):
+    if plan.layout != "mindie":
         carried["reason"] = (
-            f"MindIE SD quantizes attention in FP8 throughout ({FA_QUANT_TYPE}); this plan is {plan.qk.upper()} "
-            f"QK / {plan.pv.upper()} PV, so its attention runs in float there (make the package with attn-fp8)"
+            f"MindIE SD quantizes attention in FP8 blocks of its own ({FA_QUANT_TYPE}: Q per 128 tokens, K and V "
+            f"per 256, no K smoothing); this plan ({plan.qk.upper()} QK / {plan.pv.upper()} PV) was calibrated "
+            "in SageAttention's layout, so its attention runs in float there (make the package with "
+            "attn-fp8-ascend, which calibrates MindIE SD's arithmetic)"
         )
         return tensors, entries, carried
     for name in every:
@@ -265,6 +270,11 @@ def ascend_recipe(recipe: RecipeConfig, model_dtype: str, dtype: str | None) -> 
                     f"exported for Ascend: {cls.ascend_refusal}"
                 )
             dependent |= {cls.scheme} & NEEDS_DEPLOY_DTYPE
+        if isinstance(step, AttentionQuantConfig) and step.layout != "mindie":
+            raise RecipeError(
+                f"recipe {recipe.name!r}: its attention_quant step calibrates the {step.layout!r} layout, which "
+                "MindIE SD does not run; for Ascend use attn-fp8-ascend (MindIE SD's FP8 blocks)"
+            )
         steps.append(dataclasses.replace(step, fold=False) if isinstance(step, SmoothQuantConfig) else step)
     if deploy is None and dependent:
         raise RecipeError(

@@ -175,7 +175,8 @@ def model_card(pkg: Package, repo: str, license: str) -> str:
     if summary["attention_quant"] is not None:
         a = summary["attention_quant"]
         lines.append(
-            f"- Quantized attention ({a['qk'].upper()} QK, {a['pv'].upper()} PV): {a['quantized_fraction']:.0%} of "
+            f"- Quantized attention ({a['qk'].upper()} QK, {a['pv'].upper()} PV"
+            f"{', MindIE SD blocks' if a['layout'] == 'mindie' else ''}): {a['quantized_fraction']:.0%} of "
             f"the attention layers' denoising steps, per layer and step (`{a['file']}`)."
         )
     lines += _memory_lines(summary["memory"])

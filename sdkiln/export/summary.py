@@ -138,6 +138,7 @@ def _attention_quant(pkg: Package, m: dict[str, Any]) -> dict[str, Any] | None:
         "file": where,
         "qk": plan.qk,
         "pv": plan.pv,
+        "layout": plan.layout,
         "layers": len(plan.layers),
         "rotated_layers": sum(e["rotate"] for e in plan.layers.values()),
         "quantized_fraction": plan.record.get("quantized_fraction", 0.0),

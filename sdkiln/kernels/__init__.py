@@ -5,6 +5,7 @@ A device's kernels register only through ``load_device_kernels(device_type)``.""
 from sdkiln.kernels.ops.attention import attention
 from sdkiln.kernels.ops.elementwise import gelu_tanh, mul_add
 from sdkiln.kernels.ops.fp8 import fp8_linear, fp8_quantize_per_token
+from sdkiln.kernels.ops.fp8_block_attention import fp8_block_attention
 from sdkiln.kernels.ops.fused import layer_norm_modulate_quantize, rms_norm_quantize
 from sdkiln.kernels.ops.int8 import (
     quantize_per_tensor_int8,
@@ -38,6 +39,7 @@ __all__ = [
     "block_sparse_attention",
     "composite_names",
     "current_platform",
+    "fp8_block_attention",
     "fp8_linear",
     "fp8_quantize_per_token",
     "gelu_tanh",

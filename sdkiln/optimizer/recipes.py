@@ -50,6 +50,8 @@ PRESETS: dict[str, Callable[[], list[RecipeStep]]] = {
     # (INT8 QK^T, FP8 PV), or FP8 throughout.
     "attn-int8": lambda: [AttentionQuantConfig(qk="int8", pv="fp8")],
     "attn-fp8": lambda: [AttentionQuantConfig(qk="fp8", pv="fp8")],
+    # FP8 in MindIE SD's blocks (FP8RotateQuantFA): what export-ascend writes for Ascend (docs/ascend.md).
+    "attn-fp8-ascend": lambda: [AttentionQuantConfig(qk="fp8", pv="fp8", layout="mindie")],
     # Block-sparse attention: calibrated per layer within the default error budget, or one sparsity
     # for every layer (for comparison; docs/sparsity.md).
     "sparse-attn": lambda: [SparseAttentionConfig()],

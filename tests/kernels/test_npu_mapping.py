@@ -28,6 +28,7 @@ from sdkiln.kernels import int4
 from sdkiln.kernels.ops import (
     attention,
     elementwise,
+    fp8_block_attention,
     fused,
     int8,
     lora,
@@ -43,6 +44,10 @@ from fake_torch_npu import FLOATS, HALF, FakeTorchNpu  # noqa: E402
 
 # Kernel (through the fake) against the reference, signal-to-noise of the difference (STYLE habit 12).
 KERNEL_VS_REFERENCE_MIN_SQNR_DB = 35.0
+# fp8_block_attention through the fake against its reference, relative L2 error of the output, by dtype: both
+# dequantize the same FP8 blocks and differ only in the softmax's precision (the fake float64, the
+# reference fp32) before one rounding to the output dtype (the bounds of the Ascend linears' check).
+FP8_BLOCK_REL_ERR = {torch.float16: 3e-4, torch.bfloat16: 3e-3}
 
 NPU_KERNELS = {  # op -> its NPU kernels, in the order the dispatcher tries them
     "quantize_per_token_int8": ["torch_npu"],
@@ -60,6 +65,7 @@ NPU_KERNELS = {  # op -> its NPU kernels, in the order the dispatcher tries them
     "layer_norm_modulate_quantize": ["torch_npu"],
     "attention": ["torch_npu"],
     "block_sparse_attention": ["torch_npu", "torch_npu_dense_mask"],
+    "fp8_block_attention": ["torch_npu"],
 }
 NPU_MODULES = ("sdkiln.kernels.npu.quant", "sdkiln.kernels.npu.float_ops", "sdkiln.kernels.npu.attention")
 
@@ -613,3 +619,42 @@ def test_float32_block_sparse_attention_runs_the_reference(on_cpu):
     assert K.implementation("block_sparse_attention", "cpu", q, k, v, kept, 128, None) == "reference"
     torch.ops.sdkiln.block_sparse_attention(q, k, v, kept, 128, None)
     assert on_cpu.calls == []
+
+
+@pytest.mark.parametrize("rotate", [False, True])
+@pytest.mark.parametrize("dtype", HALF)
+def test_fp8_block_attention_is_npu_dynamic_block_quant_then_fia_v2_per_batch_row(on_cpu, dtype, rotate):
+    b, sq, sk, h, d = 2, 300, 520, 3, 64  # partial blocks of 128 queries and 256 keys
+    q, k, v = _qkv(b, sq, sk, h, d, d, dtype)
+    assert K.implementation("fp8_block_attention", "cpu", q, k, v, None, 0.2, rotate) == "torch_npu"
+    got = torch.ops.sdkiln.fp8_block_attention(q, k, v, None, 0.2, rotate)
+    names = [c[0] for c in on_cpu.calls]
+    assert names == (["npu_dynamic_block_quant"] * 3 + ["npu_fused_infer_attention_score_v2"]) * b
+    quants = [c for c in on_cpu.calls if c[0] == "npu_dynamic_block_quant"]
+    assert [c[2]["row_block_size"] for c in quants] == [128, 256, 256] * b
+    assert all(c[2]["col_block_size"] == 128 and c[1][0].shape[0] == h for c in quants)  # one batch row, NSD
+    fia = [c[2] for c in on_cpu.calls if c[0] == "npu_fused_infer_attention_score_v2"]
+    assert all(
+        f["softmax_scale"] == 0.2 and f["out_dtype"] == dtype and f["input_layout"] == "BNSD" for f in fia
+    )
+    want = fp8_block_attention.fp8_block_attention_reference(q, k, v, None, 0.2, rotate)
+    assert got.shape == want.shape and got.dtype == dtype and got.is_contiguous()
+    rel = ((got.float() - want.float()).norm() / want.float().norm()).item()
+    assert rel <= FP8_BLOCK_REL_ERR[dtype], rel
+
+
+FP8_BLOCK_UNSUPPORTED = {  # what the FA quantization does not take, or we do not send it
+    "float32": dict(dtype=torch.float32),
+    "mask": dict(mask=torch.ones(1, 1, 9, 12, dtype=torch.bool)),
+    "head_dim_256": dict(d=256),
+}
+
+
+@pytest.mark.parametrize("case", FP8_BLOCK_UNSUPPORTED)
+def test_fp8_block_attention_outside_the_fa_quantization_runs_the_reference(on_cpu, case):
+    args = dict(dtype=torch.bfloat16, mask=None, d=64) | FP8_BLOCK_UNSUPPORTED[case]
+    q, k, v = _qkv(1, 9, 12, 2, args["d"], args["d"], args["dtype"])
+    assert K.implementation("fp8_block_attention", "cpu", q, k, v, args["mask"], None, False) == "reference"
+    out = torch.ops.sdkiln.fp8_block_attention(q, k, v, args["mask"], None, False)
+    ref = fp8_block_attention.fp8_block_attention_reference(q, k, v, args["mask"], None, False)
+    assert on_cpu.calls == [] and torch.equal(out, ref)

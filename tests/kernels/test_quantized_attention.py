@@ -105,8 +105,10 @@ def test_masks_and_bad_arguments():
 def test_on_the_embedded_models_captured_attention(monkeypatch):
     """Q, K, V of every attention call of the embedded model's transformer over 4 denoising steps (one
     prompt, both CFG branches: 8 calls of its 6 attention layers, head dim 32, rotated): INT8 QK^T with
-    FP8 PV, and FP8/FP8, against float attention on the same tensors, the lowest per layer. Measured:
-    INT8/FP8 35.6, 38.3, 33.4, 37.8, 36.1, 39.4 dB; FP8/FP8 30.6, 33.7, 28.8, 33.4, 31.3, 36.2 dB."""
+    FP8 PV, FP8/FP8, and ``fp8_block_attention`` (MindIE SD's FP8 blocks, "fp8/mindie"), against float
+    attention on the same tensors, the lowest per layer. Measured: INT8/FP8 36.0, 38.6, 33.6, 38.1, 36.5,
+    39.6 dB; FP8/FP8 30.7, 34.2, 28.8, 33.8, 31.7, 36.5 dB; FP8 in MindIE SD's blocks 31.1, 33.9, 28.8,
+    34.1, 31.8, 36.5 dB."""
     from sdkiln.model_zoo import get_spec
     from sdkiln.runtime.attention import route_attention, unroute_attention
 
@@ -136,11 +138,56 @@ def test_on_the_embedded_models_captured_attention(monkeypatch):
     for i, (q, k, v, mask, scale) in enumerate(calls):
         ref, _ = dense(q, k, v, mask, scale)
         power_of_two = q.shape[-1] & (q.shape[-1] - 1) == 0
-        for qk, pv in (("int8", "fp8"), ("fp8", "fp8")):
-            out, _ = K.quantized_attention(q, k, v, mask, scale, qk, pv, power_of_two)
+        for qk, pv in (("int8", "fp8"), ("fp8", "fp8"), ("fp8", "mindie")):
+            if pv == "mindie":  # sdkiln::fp8_block_attention, MindIE SD's FP8 blocks
+                out = K.fp8_block_attention(q, k, v, mask, scale, power_of_two)
+            else:
+                out, _ = K.quantized_attention(q, k, v, mask, scale, qk, pv, power_of_two)
             lowest = per_layer.setdefault((qk, pv), [math.inf] * layers)
             lowest[i % layers] = min(lowest[i % layers], sqnr_db(ref, out))
     print(f"{len(forwards)} transformer calls x {layers} attention layers, head dim {calls[0][0].shape[-1]}")
     for formats, values in per_layer.items():
         print(f"  {'/'.join(formats)}: lowest SQNR per layer {[round(x, 1) for x in values]} dB")
     assert all(x >= MODEL_SQNR_DB for values in per_layer.values() for x in values), per_layer
+
+
+def test_fp8_block_attention_quantizes_as_npu_dynamic_block_quant_and_attends_in_float():
+    """``sdkiln::fp8_block_attention``'s blocks are those the fake ``npu_dynamic_block_quant`` (MindIE SD's
+    use of it) gives, bit for bit, and its attention is float attention of the dequantized values."""
+    import sys
+    from pathlib import Path
+
+    from sdkiln.kernels.ops.fp8_block_attention import (
+        KV_ROWS,
+        Q_ROWS,
+        block_dequantize,
+        block_quantize,
+        fp8_block_attention_reference,
+    )
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from fake_torch_npu import FakeTorchNpu
+
+    q, k, v = (t.to(torch.bfloat16) for t in _qkv(s=300, d=160))  # partial row and column blocks
+    for x, rows in ((q, Q_ROWS), (k, KV_ROWS)):
+        x = x.transpose(1, 2)[0]  # [H, S, D], one batch row as MindIE SD passes it
+        values, scale = block_quantize(x, rows)
+        theirs = FakeTorchNpu().npu_dynamic_block_quant(x, row_block_size=rows, col_block_size=128)
+        assert torch.equal(values.view(torch.uint8), theirs[0].view(torch.uint8)) and torch.equal(
+            scale, theirs[1]
+        )
+        assert scale.shape == (4, -(-300 // rows), 2)
+    keep = torch.ones(1, 1, 300, 300, dtype=torch.bool)
+    keep[..., 7, :] = False  # query 7 attends to nothing
+    out = K.fp8_block_attention(q, k, v, keep, None, False)
+    assert torch.equal(out[:, 7], torch.zeros_like(out[:, 7]))
+    qd, kd, vd = (
+        block_dequantize(*block_quantize(t.transpose(1, 2), r), r).transpose(1, 2)
+        for t, r in ((q, Q_ROWS), (k, KV_ROWS), (v, KV_ROWS))
+    )
+    assert torch.equal(out, K.attention(qd, kd, vd, keep)[0].to(torch.bfloat16))
+    plain = fp8_block_attention_reference(q, k, v, None, None, False)
+    assert sqnr_db(K.attention(qd, kd, vd)[0], plain) >= 45.0  # SDPA against the explicit softmax, then bf16
+    with pytest.raises(ValueError, match="power-of-two"):
+        K.fp8_block_attention(q, k, v, None, None, True)
+    assert K.fp8_block_attention(*(t.to("meta") for t in (q, k, v))).shape == q.shape  # the fake

@@ -223,14 +223,37 @@ def test_a_floor_nothing_reaches_leaves_no_section(tmp_path):
     assert attention_quant_of(result.pipeline.transformer) is None
 
 
+def test_a_mindie_layout_package_runs_fp8_block_attention_as_optimized(tmp_path, assert_same_outputs):
+    """``attn-fp8-ascend``: decided on ``sdkiln::fp8_block_attention`` (MindIE SD's blocks), which the
+    loaded package runs; the plan says its layout, and a plan of another layout is refused at read."""
+    config = AttentionQuantConfig(qk="fp8", pv="fp8", layout="mindie", sqnr_floor_db=20.0, calib_samples=1)
+    result = sdkiln.optimize(
+        "flux-tiny", _recipe(W8A8DynamicConfig(), config), tmp_path / "pkg", eval_samples=0
+    )
+    data = json.loads((tmp_path / "pkg" / PLAN_FILE).read_text())
+    assert data["layout"] == "mindie" and data["layers"]
+    loaded = sdkiln.load(tmp_path / "pkg", device="cpu")
+    K.reset_kernel_counts()
+    assert_same_outputs(result, loaded)
+    counts = K.kernel_counts()
+    assert counts[("fp8_block_attention", "cpu", "reference")] > 0
+    assert not any(op == "quantized_attention" for op, *_ in counts)
+    with pytest.raises(PackageError, match="layout is one of"):
+        AttentionQuantPlan.from_dict(data | {"layout": "flash"})
+
+
 def test_recipe_names_and_config_checks():
     (attn_int8,) = resolve_recipe("attn-int8").steps
     (attn_fp8,) = resolve_recipe("attn-fp8").steps
+    (ascend,) = resolve_recipe("attn-fp8-ascend").steps
     assert (attn_int8.qk, attn_int8.pv, attn_fp8.qk, attn_fp8.pv) == ("int8", "fp8", "fp8", "fp8")
+    assert (ascend.qk, ascend.pv, ascend.layout, attn_fp8.layout) == ("fp8", "fp8", "mindie", "sage")
     assert [s.kind for s in resolve_recipe("attn-int8+w8a8-dynamic+cache-auto").steps] == [
         "w8a8_dynamic", "attention_quant", "cache_auto",
     ]  # fmt: skip
     for bad, match in [({"qk": "int4"}, "qk is one of"), ({"rotate": "yes"}, "rotate is one of"),
-                       ({"retries": -1}, "retries"), ({"floor_step_db": 0}, "floor_step_db")]:  # fmt: skip
+                       ({"retries": -1}, "retries"), ({"floor_step_db": 0}, "floor_step_db"),
+                       ({"layout": "flash"}, "layout is one of"),
+                       ({"layout": "mindie", "qk": "int8"}, "FP8 throughout")]:  # fmt: skip
         with pytest.raises(ValueError, match=match):
             AttentionQuantConfig(**bad)

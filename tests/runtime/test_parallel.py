@@ -71,7 +71,11 @@ def packages(tmp_path_factory) -> dict[str, Path]:
     sdkiln.optimize(
         "wan-tiny", RecipeConfig("attn-sparse", sparse_attn, steps4), root / "attn-wan", eval_samples=0
     )
-    out["attn"], out["attn-wan"] = root / "attn", root / "attn-wan"
+    mindie = AttentionQuantConfig(qk="fp8", pv="fp8", layout="mindie", calib_samples=1, sqnr_floor_db=20.0)
+    sdkiln.optimize(
+        "flux-tiny", RecipeConfig("attn-mindie", [mindie], steps4), root / "attn-mindie", eval_samples=0
+    )
+    out["attn"], out["attn-wan"], out["attn-mindie"] = root / "attn", root / "attn-wan", root / "attn-mindie"
     out["lora"] = _flux_tiny_lora(root / "lora.safetensors")
     return out
 
@@ -125,7 +129,9 @@ def test_two_ranks_cfg_ulysses_ring_and_split_text_match_one_device(packages):
             (packages["attn"], uly, None, EXACT),  # quantized attention: each rank its heads, every key
             (packages["attn"], cfg, None, EXACT),
             (packages["attn-wan"], uly, None, EXACT),  # with a sparse plan; attn2 on local queries
-            (packages["attn-wan"], uly, odd_wan, EXACT),  # padded: per-token Q, padding rows alone
+            (packages["attn-wan"], uly, odd_wan, EXACT),  # padded: on the real queries only
+            (packages["attn-mindie"], uly, None, EXACT),  # MindIE SD's FP8 blocks of 128 queries
+            (packages["attn-mindie"], uly, odd_flux, EXACT),
         ],
     )
 

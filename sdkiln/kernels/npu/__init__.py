@@ -15,10 +15,9 @@ from sdkiln.kernels.npu.quant import KERNEL_NAME
 
 REFERENCE_ONLY = {
     "quantized_attention": (
-        "no torch_npu call computes this op's contract: MindIE SD's FA quantization "
-        "(npu_fused_infer_attention_score_v2 with the quant modes 7) quantizes Q per 128 tokens and K, V per 256 "
-        "without K smoothing, on Ascend 950 only (CANN's aclnnFusedInferAttentionScoreV5); export-ascend writes "
-        "an FP8 plan in that form for MindIE SD's own kernel instead (docs/ascend.md)"
+        "no torch_npu call computes this op's contract (Q per token, K per 64 keys after smoothing, P quantized): "
+        "MindIE SD's FA quantization quantizes Q per 128 tokens and K, V per 256 without K smoothing; a package "
+        "made for Ascend calibrates that arithmetic instead (fp8_block_attention, attn-fp8-ascend; docs/ascend.md)"
     ),
     "fp8_quantize_per_token": (
         "npu_dynamic_quant quantizes to int8 or int4 on Atlas A2/A3; torch_npu documents float8 outputs "

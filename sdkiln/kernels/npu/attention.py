@@ -164,3 +164,50 @@ def block_sparse_attention_dense_mask(
     """``npu_fusion_attention`` with ``dense_mask(kept)``: what the kept blocks stand for, computed densely."""
     check_block_sparse_attention(q, k, v, kept, block_size)
     return _fusion_attention(q, k, v, dense_mask(kept, block_size, q.shape[1], k.shape[1]), scale)
+
+
+FA_FP8_MAX_HEAD_DIM = 128  # one 128-channel scale column per row block (MindIE SD's FP8RotateQuantFA)
+
+
+def _fits_fp8_block(q: Tensor, k: Tensor, v: Tensor, mask, scale, rotate) -> bool:
+    return (
+        mask is None
+        and q.dim() == k.dim() == v.dim() == 4
+        and q.dtype in HALF_DTYPES
+        and k.dtype == v.dtype == q.dtype
+        and k.shape == v.shape
+        and q.shape[2] == k.shape[2]
+        and q.shape[-1] <= FA_FP8_MAX_HEAD_DIM
+    )
+
+
+@register_kernel("fp8_block_attention", "npu", name=KERNEL_NAME, supports=_fits_fp8_block)
+def fp8_block_attention(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float | None, rotate: bool
+) -> Tensor:
+    """MindIE SD's ``FP8RotateQuantFA`` (``mindiesd/quantization/layer.py``, ``docs/ascend.md``): Q and K
+    rotated (``fp8_block_attention.rotated``), each batch row's Q, K, V in BNSD quantized by
+    ``npu_dynamic_block_quant`` (128 query rows, 256 key and value rows, by 128 channels), then
+    ``npu_fused_infer_attention_score_v2`` with the quant modes 7. CANN documents those modes for
+    Ascend 950 only; MindIE SD, like this kernel, calls the quantization one batch row at a time."""
+    from sdkiln.kernels.ops.fp8_block_attention import KV_ROWS, Q_ROWS, check_fp8_block_attention, rotated
+
+    check_fp8_block_attention(q, k, v, rotate)
+    heads, d = q.shape[2], q.shape[-1]
+    qh, kh, vh = (t.transpose(1, 2) for t in (rotated(q, rotate), rotated(k, rotate), v))  # BNSD
+    outs = []
+    for b in range(q.shape[0]):
+        (q8, qs), (k8, ks), (v8, vs) = (
+            torch_npu.npu_dynamic_block_quant(
+                t[b].contiguous(), dst_type=torch.float8_e4m3fn, row_block_size=rows, col_block_size=128
+            )
+            for t, rows in ((qh, Q_ROWS), (kh, KV_ROWS), (vh, KV_ROWS))
+        )
+        out, _ = torch_npu.npu_fused_infer_attention_score_v2(
+            q8[None], k8[None], v8[None], input_layout="BNSD", num_query_heads=heads,
+            softmax_scale=1.0 / math.sqrt(d) if scale is None else scale, query_quant_mode=7, key_quant_mode=7,
+            value_quant_mode=7, dequant_scale_query=qs[None], dequant_scale_key=ks[None],
+            dequant_scale_value=vs[None], out_dtype=q.dtype,
+        )  # fmt: skip
+        outs.append(out)
+    return torch.cat(outs).transpose(1, 2).contiguous()

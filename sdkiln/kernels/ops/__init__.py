@@ -1,6 +1,6 @@
 """The ``sdkiln`` ops, one module per op family: schema, checks, pure-torch reference, fake and
 wrapper side by side (``elementwise``, ``norm``, ``rope``, ``attention``, ``int8``, ``fp8``,
-``weight_only``, ``fused`` (norm + quantize), ``sparse_attention``, ``quantized_attention``, ``lora`` (a LoRA branch added to a
+``weight_only``, ``fused`` (norm + quantize), ``sparse_attention``, ``quantized_attention``, ``fp8_block_attention`` (MindIE SD's FP8 attention arithmetic), ``lora`` (a LoRA branch added to a
 layer's output)). Importing this package defines every op (``sdkiln.kernels.registry``).
 
 The references are the CPU implementation, the fallback on any device without a kernel that
@@ -20,6 +20,7 @@ from sdkiln.kernels.ops import (
     attention,
     elementwise,
     fp8,
+    fp8_block_attention,
     fused,
     int8,
     lora,
@@ -34,6 +35,7 @@ __all__ = [
     "attention",
     "elementwise",
     "fp8",
+    "fp8_block_attention",
     "fused",
     "int8",
     "lora",

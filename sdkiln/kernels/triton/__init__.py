@@ -21,7 +21,12 @@ autotune configurations per GPU generation).
 from sdkiln.kernels.triton import attention, elementwise, gemm, lora, quantized_attention, rows
 from sdkiln.kernels.triton.configs import KERNEL_NAME
 
-REFERENCE_ONLY: dict[str, str] = {}
+REFERENCE_ONLY: dict[str, str] = {
+    "fp8_block_attention": (
+        "MindIE SD's FP8 attention arithmetic, for packages made for Ascend (attn-fp8-ascend); on CUDA it runs "
+        "its reference (the dequantized blocks through SDPA): a package for GPUs uses attn-int8 or attn-fp8"
+    ),
+}
 """Ops without a Triton kernel, each with why: they run their reference on CUDA
 (``tests/kernels/test_triton_kernels.py`` checks that no op is left out silently)."""
 

@@ -3,7 +3,8 @@
 1. **Float reference.** The calibration samples run with the model as the recipe left it (quantized
    linears, float attention): their images are the reference.
 2. **Per-call error.** They run again with every routed attention call computed in float (what the
-   run continues with) and through ``sdkiln::quantized_attention`` in the step's formats, with and
+   run continues with) and through ``sdkiln::quantized_attention`` in the step's formats (the ``mindie``
+   layout: ``sdkiln::fp8_block_attention``, MindIE SD's arithmetic), with and
    without the Hadamard rotation (``rotate="auto"``; only a power-of-two head dim can rotate); per
    layer, denoising step and rotation the lowest SQNR of the quantized output against the float one,
    over the samples (each CFG branch a sample) and the layer's calls at that step, is kept. Computing
@@ -84,7 +85,7 @@ class ErrorProbe:
         for rotate in self.rotations:
             if rotate and not power_of_two:  # measured without the rotation only
                 continue
-            out = quantized_call(call, self.config.qk, self.config.pv, rotate)
+            out = quantized_call(call, self.config.qk, self.config.pv, rotate, self.config.layout)
             low = float(per_sample_sqnr(ref, out).min())
             key = (call.name, step, rotate)
             self.sqnr[key] = min(self.sqnr.get(key, math.inf), low)
@@ -158,7 +159,7 @@ def apply_attention_quant(ctx: TransformContext, config: AttentionQuantConfig) -
             tries.append({"sqnr_floor_db": floor, "quantized_fraction": 0.0, "psnr_mean": None})
             chosen = (None, floor, None, layer_record)
             break
-        plan = AttentionQuantPlan(config.qk, config.pv, num_steps, layers_plan, hash_)
+        plan = AttentionQuantPlan(config.qk, config.pv, num_steps, layers_plan, hash_, layout=config.layout)
         attach_attention_quant(ctx.pipeline, spec, plan)
         try:
             images, _ = generate(
@@ -186,6 +187,7 @@ def apply_attention_quant(ctx: TransformContext, config: AttentionQuantConfig) -
     record: dict[str, Any] = {
         "qk": config.qk,
         "pv": config.pv,
+        "layout": config.layout,
         "rotate": config.rotate,
         "num_steps": num_steps,
         "calibration": {"prompts": prompts, "seeds": seeds},

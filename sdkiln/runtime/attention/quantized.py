@@ -3,7 +3,8 @@ that runs it, putting it on a pipeline, and the ``attention_quant`` package sect
 
 ``attention/attention_quant.json`` says, for one transformer, which attention layers run
 ``sdkiln::quantized_attention`` at which denoising steps, in which formats (``qk``: INT8 or FP8 Q and
-K; ``pv``: FP8, INT8 or float P and V) and whether each layer rotates Q and K by a Hadamard matrix;
+K; ``pv``: FP8, INT8 or float P and V) and whether each layer rotates Q and K by a Hadamard matrix
+(``layout="mindie"``: ``sdkiln::fp8_block_attention``, MindIE SD's FP8 blocks, the form Ascend runs);
 every other call runs as the unrouted diffusers processor would (``AttentionCall.native``). The
 decisions were measured per layer and step on calibration prompts (``sdkiln.optimizer.quant.attention``)
 and apply to the deployment's step count; a run with another count follows the plan by its position
@@ -34,6 +35,10 @@ from sdkiln.runtime.restore import RestoreContext, Section, section_file, transf
 
 PLAN_FILE = "attention/attention_quant.json"
 NAME = "attention_quant"
+LAYOUTS = ("sage", "mindie")
+"""``sage``: ``sdkiln::quantized_attention`` (SageAttention's blocks, K smoothed, P quantized), on every
+device; ``mindie``: ``sdkiln::fp8_block_attention`` (MindIE SD's FP8RotateQuantFA: FP8 Q per 128 tokens,
+K and V per 256, no smoothing), what ``export-ascend`` writes as MindIE SD's FA quantization."""
 
 
 @dataclass
@@ -47,6 +52,7 @@ class AttentionQuantPlan:
     config_hash: str = ""
     record: dict[str, Any] = field(default_factory=dict)
     """What calibration measured (per layer and step): for audit, not read."""
+    layout: str = "sage"
     version: int = 1
 
     def __post_init__(self) -> None:
@@ -54,6 +60,7 @@ class AttentionQuantPlan:
             raise ValueError(
                 f"qk is one of {QK_FORMATS} and pv one of {PV_FORMATS}, got {self.qk!r}, {self.pv!r}"
             )
+        check_layout(self.layout, self.qk, self.pv)
         if isinstance(self.num_steps, bool) or not isinstance(self.num_steps, int) or self.num_steps < 1:
             raise ValueError(f"num_steps must be a positive integer, got {self.num_steps!r}")
         if not isinstance(self.layers, dict):
@@ -83,6 +90,7 @@ class AttentionQuantPlan:
             "version": self.version,
             "qk": self.qk,
             "pv": self.pv,
+            "layout": self.layout,
             "num_steps": self.num_steps,
             "config_hash": self.config_hash,
             "layers": self.layers,
@@ -95,7 +103,7 @@ class AttentionQuantPlan:
             raise PackageError(f"{where}: an attention-quantization plan is a JSON object")
         if data.get("version") != 1:
             raise PackageError(f"{where}: plan version {data.get('version')!r}; this sdkiln reads version 1")
-        known = {"version", "qk", "pv", "num_steps", "config_hash", "layers", "record"}
+        known = {"version", "qk", "pv", "layout", "num_steps", "config_hash", "layers", "record"}
         unknown = sorted(set(data) - known)
         if unknown:
             raise PackageError(f"{where}: unknown field {unknown[0]!r}")
@@ -108,6 +116,7 @@ class AttentionQuantPlan:
             return cls(
                 qk=data["qk"], pv=data["pv"], num_steps=data["num_steps"], layers=data["layers"],
                 config_hash=data.get("config_hash", ""), record=data.get("record", {}),
+                layout=data.get("layout", "sage"),
             )  # fmt: skip
         except ValueError as exc:
             raise PackageError(f"{where}: {exc}") from None
@@ -131,11 +140,22 @@ class QuantizedAttention:
             self.stats["float_calls"] += 1
             return call.native(call.query, call.key, call.value, attn_mask=call.mask, scale=call.scale)
         self.stats["quantized_calls"] += 1
-        return quantized_call(call, self.plan.qk, self.plan.pv, entry["rotate"])
+        return quantized_call(call, self.plan.qk, self.plan.pv, entry["rotate"], self.plan.layout)
 
 
-def quantized_call(call: AttentionCall, qk: str, pv: str, rotate: bool) -> Tensor:
-    """The routed call's attention through ``sdkiln::quantized_attention`` in those formats."""
+def check_layout(layout: str, qk: str, pv: str) -> None:
+    """ValueError unless ``layout`` is one of ``LAYOUTS`` and, for ``mindie``, the formats are FP8."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout is one of {', '.join(LAYOUTS)}, got {layout!r}")
+    if layout == "mindie" and (qk, pv) != ("fp8", "fp8"):
+        raise ValueError(f"the mindie layout is FP8 throughout (qk and pv fp8), got {qk!r}, {pv!r}")
+
+
+def quantized_call(call: AttentionCall, qk: str, pv: str, rotate: bool, layout: str = "sage") -> Tensor:
+    """The routed call's attention through ``sdkiln::quantized_attention`` in those formats, or for the
+    ``mindie`` layout through ``sdkiln::fp8_block_attention``."""
+    if layout == "mindie":
+        return kernels.fp8_block_attention(call.query, call.key, call.value, call.mask, call.scale, rotate)
     out, _ = kernels.quantized_attention(
         call.query, call.key, call.value, call.mask, call.scale, qk, pv, rotate
     )

@@ -13,8 +13,10 @@ which positions are padding.
   single-device order, so replicated text is bit-for-bit one device's result. With a block-sparse
   attention plan (``AttentionCall.sparse``) the plan computes it instead, on the real tokens, told
   the rank's first global head; with an attention-quantization plan (``AttentionRoute.quantized``)
-  the plan computes it (Q is quantized per token and the keys are whole, in one device's order, so
-  each head's quantization is one device's), as it does a context-keys call on the local queries.
+  the plan computes it on the real tokens (the keys are whole, in one device's order, so each head's
+  quantization is one device's), as it does a context-keys call on the local queries (exact for the
+  ``sage`` layout, which quantizes Q per token; the ``mindie`` layout's Q blocks of 128 start at each
+  rank's first token, so there it is one device's only where a rank's share is a multiple of 128).
   The output goes back
   by one all-to-all; the text rows by one all-gather of heads.
 * **Ring** (degree R): the K/V blocks travel around the ring with ``batch_isend_irecv``, two
@@ -200,8 +202,11 @@ def parallel_attention(call: AttentionCall) -> Tensor:
         k, v = joined(k_rep, _select(k_x, valid)), joined(v_rep, _select(v_x, valid))
         if call.sparse is not None:  # its dense calls go to a quantization plan, if any
             out = _sparse(call, q_rep, q_x, k, v, valid, rep_first, head0)
-        elif quantized is not None:  # padded query rows are quantized alone (per token) and dropped
-            out = quantized(dataclasses.replace(call, query=q, key=k, value=v, sequence=None))
+        elif quantized is not None:  # on the real queries: block layouts quantize them as one device does
+            out = _on_real_queries(
+                q_rep, q_x, valid, rep_first,
+                lambda q: quantized(dataclasses.replace(call, query=q, key=k, value=v, sequence=None)),
+            )  # fmt: skip
         else:
             out = call.native(q, k, v, scale=call.scale)
     else:
@@ -220,17 +225,28 @@ def parallel_attention(call: AttentionCall) -> Tensor:
 def _sparse(call: AttentionCall, q_rep, q_x, k, v, valid, rep_first: bool, head0: int) -> Tensor:
     """The whole sequence of this rank's heads under the block-sparse plan (``call.sparse``), on the
     real tokens in the single-device order; padded query rows come back as zeros."""
+    text = 0 if q_rep is None else q_rep.shape[1]
+
+    def run(q: Tensor) -> Tensor:
+        length = q.shape[1]
+        span = TokenSpan(0, text, length) if rep_first else TokenSpan(length - text, length, length)
+        whole = dataclasses.replace(
+            call, query=q, key=k, value=v, query_text=span, key_text=span, sequence=None
+        )
+        return call.sparse(whole, head_offset=head0)
+
+    return _on_real_queries(q_rep, q_x, valid, rep_first, run)
+
+
+def _on_real_queries(q_rep, q_x, valid, rep_first: bool, run) -> Tensor:
+    """``run(q)`` on the real query tokens in the single-device order (a plan that quantizes queries per
+    block, or keeps blocks, sees no padding); padded query rows come back as zeros."""
     q = _select(q_x, valid)
-    text, length = (
-        (0 if q_rep is None else q_rep.shape[1]),
-        q.shape[1] + (0 if q_rep is None else q_rep.shape[1]),
-    )
-    span = TokenSpan(0, text, length) if rep_first else TokenSpan(length - text, length, length)
-    q = q if q_rep is None else torch.cat([q_rep, q] if rep_first else [q, q_rep], dim=1)
-    whole = dataclasses.replace(call, query=q, key=k, value=v, query_text=span, key_text=span, sequence=None)
-    out = call.sparse(whole, head_offset=head0)
+    text = 0 if q_rep is None else q_rep.shape[1]
+    out = run(q if q_rep is None else torch.cat([q_rep, q] if rep_first else [q, q_rep], dim=1))
     if valid is None:
         return out
+    length = out.shape[1]
     out_rep, out_x = (
         (out[:, :text], out[:, text:]) if rep_first else (out[:, length - text :], out[:, : length - text])
     )
