@@ -23,7 +23,8 @@ class CacheAutoConfig(RecipeStep):
     the calibration samples is at least ``psnr_floor_db`` and whose 5th percentile is at least
     ``psnr_p5_floor_db``, and which meets the same floor on ``eval_samples`` held-out samples, its
     mean less ``held_out_margin_se`` standard errors of that mean (else the next safer schedule of the
-    front is measured there, up to ``held_out_retries`` times).
+    front is measured there, up to ``held_out_retries`` times); a borderline result is measured again on
+    ``held_out_extend`` more held-out samples.
     """
 
     kind: ClassVar[str] = "cache_auto"
@@ -46,6 +47,11 @@ class CacheAutoConfig(RecipeStep):
     """The held-out check asks the mean PSNR less this many standard errors of the mean (the samples'
     standard deviation over the square root of their count) to meet the floor: a mean of eight samples
     whose PSNRs spread by 4 dB is uncertain by about 1.4 dB. 0 checks the mean alone."""
+    held_out_extend: int = 8
+    """A schedule that meets the held-out check by less than another ``held_out_margin_se`` standard errors
+    (its mean less twice the margin misses the floor) is measured on this many more held-out samples
+    (other seeds), and the check is made again on all of them: a borderline result costs more samples,
+    a clear one none. 0 never extends."""
     guard: bool = False
     """Ship a guard (``runtime.cache.guard``): a reuse step whose stack input changed more than
     ``guard_quantile`` of the calibration samples' change at that step times ``guard_margin`` runs full."""
@@ -71,5 +77,11 @@ class CacheAutoConfig(RecipeStep):
             raise ValueError("need budgets >= 1, refine >= 0, refine_tries >= 1 and held_out_retries >= 0")
         if not self.held_out_margin_se >= 0.0:
             raise ValueError("held_out_margin_se must be >= 0")
+        if (
+            isinstance(self.held_out_extend, bool)
+            or not isinstance(self.held_out_extend, int)
+            or self.held_out_extend < 0
+        ):
+            raise ValueError(f"held_out_extend must be an integer >= 0, got {self.held_out_extend!r}")
         if not 0.0 < self.guard_quantile <= 1.0 or self.guard_margin < 1.0:
             raise ValueError("need 0 < guard_quantile <= 1 and guard_margin >= 1")

@@ -297,6 +297,40 @@ def test_a_schedule_that_misses_the_floor_on_held_out_samples_gives_way_to_a_saf
     assert "misses the floor (0 / 0); measuring the front's next safer schedule" in printed
 
 
+def test_a_narrow_held_out_result_is_measured_again_on_more_samples(flux_tiny, monkeypatch, capsys):
+    """The first held-out measurement is made to meet the (0 dB) floor by its mean less one standard
+    error but not less two: the same schedule is measured again on ``held_out_extend`` more samples (its
+    first ones included), judged on all of them, and the package's ``expected`` names every sample."""
+    from sdkiln.optimizer.cache.search import EVAL_SEED, Search
+
+    _, pipe = flux_tiny
+    real, calls = Search.confirm, []
+
+    def confirm(self, actions, prompts, seeds, *args, **kwargs):
+        out = real(self, actions, prompts, seeds, *args, **kwargs)
+        if seeds[0] >= EVAL_SEED:
+            calls.append(([str(a) for a in actions], list(seeds)))
+            if len(calls) == 1:
+                out["psnr_mean"], out["psnr_se"] = 0.5, 0.4
+        return out
+
+    monkeypatch.setattr(Search, "confirm", confirm)
+    config = CacheAutoConfig(
+        calib_samples=1, eval_samples=2, held_out_extend=3, budgets=3, refine=0, psnr_floor_db=0.0,
+        psnr_p5_floor_db=0.0,
+    )  # fmt: skip
+    recipe = RecipeConfig(name="held-out", steps=[config], deployment=Deployment(num_inference_steps=STEPS))
+    data = sdkiln.optimize(pipe, recipe, out_dir=None, eval_samples=0).files[SCHEDULE_FILE]
+    seeds = [EVAL_SEED + i for i in range(5)]
+    assert [c[1] for c in calls] == [seeds[:2], seeds] and calls[0][0] == calls[1][0]
+    assert data["actions"]["batched"] == calls[0][0]
+    assert [t["samples"] for t in data["search"]["held_out"]] == [5]
+    assert data["expected"]["seeds"] == seeds and len(data["expected"]["prompts"]) == 5
+    assert "meets the floor narrowly; measuring it on 3 more held-out samples" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="held_out_extend"):
+        CacheAutoConfig(held_out_extend=-1)
+
+
 def test_the_held_out_check_asks_the_mean_less_its_standard_error_to_meet_the_floor():
     """Eight samples at 31 dB +- 4 dB (standard error 1.41) meet a 30 dB floor by their mean alone, not
     by the mean less one standard error; the margin is a setting (0: the mean alone)."""

@@ -29,7 +29,8 @@
    the held-out mean PSNR less ``held_out_margin_se`` standard errors of that mean misses the floor,
    the front's next safer schedule is measured there, up to ``held_out_retries`` times, and the first
    that meets the floor is chosen (else the last tried, with a warning; ``search.held_out`` keeps
-   every try).
+   every try). A schedule that meets it by less than another margin (``_borderline``) is measured
+   again on ``held_out_extend`` more held-out samples too, and judged on all of them.
 5. **Guard** (``guard=True``). Before that held-out run, the chosen schedule runs once more on the
    calibration samples with a recording guard (``runtime.cache.guard``); each reuse step's threshold
    on the stack input's change is ``guard_quantile`` of what was seen there times ``guard_margin``.
@@ -43,6 +44,7 @@ import time
 from typing import Any
 
 import numpy as np
+import torch
 from tqdm.auto import tqdm
 
 from sdkiln import metrics
@@ -155,7 +157,8 @@ class Search:
             f"{planned * seconds_per_step:.0f} s, then up to {1 + confirmations + self.config.guard * tries} "
             f"end-to-end runs of {t} steps of the calibration batch (about {t * seconds_per_step:.0f} s "
             f"each: the uncached one, up to {confirmations} schedules confirmed{guard}) and up to "
-            f"{1 + tries} of {self.config.eval_samples} held-out samples"
+            f"{1 + tries} of {self.config.eval_samples} held-out samples (one of them on "
+            f"{self.config.held_out_extend} more where it is narrow)"
         )
         gains: dict[int, list[float]] = {}
         o, end = self.first, self.traj.num_steps  # the window's first step in the run; the run's steps
@@ -307,6 +310,48 @@ def _feasible_held_out(point: dict[str, Any], config: CacheAutoConfig) -> bool:
     return bound >= config.psnr_floor_db and point["psnr_p5"] >= config.psnr_p5_floor_db
 
 
+def _borderline(point: dict[str, Any], config: CacheAutoConfig) -> bool:
+    """Met by the held-out check, but not with twice its margin: worth more samples."""
+    bound = point["psnr_mean"] - 2 * config.held_out_margin_se * point["psnr_se"]
+    return _feasible_held_out(point, config) and bound < config.psnr_floor_db
+
+
+class HeldOut:
+    """The held-out samples (the family's eval prompts, seeds from ``EVAL_SEED``) and the uncached
+    model's images and latents on them, made on first use and grown by ``extend`` (once)."""
+
+    def __init__(self, ctx: TransformContext, call: dict[str, Any], count: int):
+        self.ctx, self.call = ctx, call
+        self.prompts: list[str] = []
+        self.seeds: list[int] = []
+        self.images = self.latents = None
+        self.extended = False
+        self._add(count)
+
+    def _add(self, count: int) -> None:
+        first, eval_prompts = len(self.seeds), self.ctx.spec.eval_prompts
+        prompts = [eval_prompts[i % len(eval_prompts)] for i in range(first, first + count)]
+        seeds = [EVAL_SEED + i for i in range(first, first + count)]
+        images, latents = generate(
+            self.ctx.pipeline, self.call, prompts, seeds, len(prompts), "held-out",
+            self.ctx.spec.condition(self.call, len(prompts)),
+        )  # fmt: skip
+        self.prompts, self.seeds = self.prompts + prompts, self.seeds + seeds
+        self.images = images if self.images is None else np.concatenate([self.images, images])
+        self.latents = latents if self.latents is None else torch.cat([self.latents, latents])
+
+    def extend(self, count: int) -> bool:
+        """Add ``count`` samples unless done before; whether the set grew."""
+        if self.extended:
+            return False
+        self._add(count)
+        self.extended = True
+        return True
+
+    def samples(self) -> tuple[list[str], list[int], Any, Any]:
+        return self.prompts, self.seeds, self.images, self.latents
+
+
 def _pick(points: list[dict[str, Any]], config: CacheAutoConfig) -> dict[str, Any]:
     ok = [p for p in points if _feasible(p, config)]
     if not ok:
@@ -431,17 +476,7 @@ def apply_cache_auto(ctx: TransformContext, config: CacheAutoConfig) -> Transfor
     if chosen not in front:  # a cheaper point with a higher mean may miss the 5th-percentile floor
         front = sorted([*front, chosen], key=lambda p: p["block_evaluations_ratio"])
 
-    eval_prompts = [ctx.spec.eval_prompts[i % len(ctx.spec.eval_prompts)] for i in range(config.eval_samples)]
-    eval_seeds = [EVAL_SEED + i for i in range(config.eval_samples)]
-    held_images, held_latents = generate(
-        ctx.pipeline,
-        call,
-        eval_prompts,
-        eval_seeds,
-        len(eval_prompts),
-        "held-out",
-        ctx.spec.condition(call, len(eval_prompts)),
-    )
+    held = HeldOut(ctx, call, config.eval_samples)
     safer = [p for p in front if p["block_evaluations_ratio"] > chosen["block_evaluations_ratio"]]
     tries: list[dict[str, Any]] = []
     while True:
@@ -449,11 +484,17 @@ def apply_cache_auto(ctx: TransformContext, config: CacheAutoConfig) -> Transfor
         schedule = search.schedule(actions)
         if config.guard:
             schedule.guards = search.calibrate_guard(actions, prompts, seeds).to_dict()
-        expected = search.confirm(
-            actions, eval_prompts, eval_seeds, held_images, held_latents, schedule.guards
-        )
+        expected = search.confirm(actions, *held.samples(), schedule.guards)
+        if config.held_out_extend and _borderline(expected, config) and held.extend(config.held_out_extend):
+            tqdm.write(
+                f"cache search: held-out {_held_out_text(expected, config)} meets the floor narrowly; "
+                f"measuring it on {config.held_out_extend} more held-out samples"
+            )
+            expected = search.confirm(actions, *held.samples(), schedule.guards)
         expected.pop("actions")
-        tries.append({k: expected[k] for k in ("block_evaluations_ratio", "psnr_mean", "psnr_se", "psnr_p5")})
+        tries.append({
+            k: expected[k] for k in ("block_evaluations_ratio", "psnr_mean", "psnr_se", "psnr_p5")
+        } | {"samples": len(held.prompts)})  # fmt: skip
         if _feasible_held_out(expected, config) or len(tries) > config.held_out_retries or not safer:
             break
         chosen = safer.pop(0)
@@ -470,7 +511,7 @@ def apply_cache_auto(ctx: TransformContext, config: CacheAutoConfig) -> Transfor
         )
     schedule.fingerprint = fingerprint(ctx.transformer)
     schedule.guidance_mode = "shared"  # one action list for every CFG branch (each keeps its own cache)
-    schedule.expected = expected | {"prompts": eval_prompts, "seeds": eval_seeds}
+    schedule.expected = expected | {"prompts": held.prompts, "seeds": held.seeds}
     schedule.search = {
         "objective": (
             "least predicted final error within each block-evaluation budget (predicted error: sum over "
@@ -523,5 +564,9 @@ def plan_cache_auto(ctx: TransformContext, config: CacheAutoConfig) -> list[Phas
     return [
         Phase("profile and segments", t + segments),
         Phase("confirm schedules", (1 + confirmation_bound(config)) * t, "at most"),
-        Phase("held-out check", (1 + (1 + config.guard) * (1 + config.held_out_retries)) * t, "at most"),
+        Phase(
+            "held-out check",  # a narrow result: the extra samples' reference, then one more confirmation
+            (1 + (1 + config.guard) * (1 + config.held_out_retries) + 2 * bool(config.held_out_extend)) * t,
+            "at most",
+        ),
     ]
