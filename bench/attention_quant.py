@@ -94,7 +94,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--fp8", action="store_true", help="also default + attn-fp8")
     parser.add_argument(
-        "--recipes", nargs="+", default=["default", "default+attn-int8"], help="the recipes measured, in order"
+        "--recipes",
+        nargs="+",
+        default=["default", "default+attn-int8"],
+        help="the recipes measured, in order",
     )
     parser.add_argument("--out", default=str(ROOT / "bench/results/attention_quant_fmnist.json"))
     args = parser.parse_args(argv)

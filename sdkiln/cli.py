@@ -12,6 +12,7 @@ from typing import Any
 
 from sdkiln.cli_export import add_export_parsers, print_ascend
 from sdkiln.cli_run import check_text, cmd_run, kernel_lines
+from sdkiln.cli_serve import add_serve_parser
 from sdkiln.errors import ModelError, SdkilnError, failures_outside_sdkiln
 
 MAX_ERROR_CHARS = 1000
@@ -516,6 +517,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.set_defaults(func=cmd_eval)
 
     add_export_parsers(sub)
+    add_serve_parser(sub)
     return p
 
 

@@ -347,6 +347,14 @@ def op_samples(device) -> dict[str, tuple]:
         "quantize_per_token_int8": (randn(3, 16, device=device),),
         "w8a8_linear": (xq, xs, wq, ws, randn(5, device=device), torch.bfloat16),
         "attention": (leaf(1, 3, 2, 8), leaf(1, 5, 2, 8), leaf(1, 5, 2, 8), None, None),
+        "fp8_block_attention": (
+            randn(1, 3, 2, 8, device=device),
+            randn(1, 5, 2, 8, device=device),
+            randn(1, 5, 2, 8, device=device),
+            None,
+            None,
+            True,
+        ),
         "quantized_attention": (
             randn(1, 3, 2, 8, device=device),
             randn(1, 5, 2, 8, device=device),
