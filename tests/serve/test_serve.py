@@ -60,6 +60,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_ready(url: str, procs: list, log: Path) -> None:
+    """Until ``url``'s /health answers 200; an AssertionError with the log if a process exits first or
+    ``START_TIMEOUT_S`` passes."""
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        assert all(p.poll() is None for p in procs), f"a server process exited: {log.read_text()[-2000:]}"
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    raise AssertionError(f"the server did not become ready: {log.read_text()[-2000:]}")
+
+
 class Server:
     """``python -m sdkiln serve PACKAGE --port P ...`` as a child process, its log in a file."""
 
@@ -72,16 +87,7 @@ class Server:
             [sys.executable, "-m", "sdkiln", "serve", str(package), "--port", str(self.port), "--device", "cpu", *args],
             stdout=subprocess.DEVNULL, stderr=open(log, "w"), env=env,
         )  # fmt: skip
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, f"the server exited: {log.read_text()[-2000:]}"
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        raise AssertionError(f"the server did not become ready: {log.read_text()[-2000:]}")
+        wait_ready(self.url, [self.proc], log)
 
     def client(self):
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=120)
@@ -327,15 +333,7 @@ def test_under_two_ranks_rank_0_serves_and_rank_1_follows_its_batches(package, t
         ))  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            assert all(p.poll() is None for p in procs), (tmp_path / "rank0.log").read_text()[-2000:]
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
+        wait_ready(url, procs, tmp_path / "rank0.log")
 
         def post(base: str, n: int) -> list[np.ndarray]:
             body = {"prompt": "a dress", "seed": 5, "n": n}
