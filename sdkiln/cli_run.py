@@ -23,7 +23,9 @@ def check_text(value: str, what: str) -> str:
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff")
 
 
-def _save_image(array, path: Path) -> Path:
+def image_of(array):
+    """A pipeline's [H, W, C] image in [0, 1] (or [F, H, W, C] frames, side by side) as the 8-bit PIL
+    image ``sdkiln run`` saves; ``sdkiln serve`` encodes the same one, so the two agree bit for bit."""
     import numpy as np
     from PIL import Image
 
@@ -31,7 +33,11 @@ def _save_image(array, path: Path) -> Path:
     if img.ndim == 4:  # video frames side by side
         img = np.concatenate(list(img), axis=1)
     img = (np.clip(img, 0, 1) * 255).round().astype(np.uint8)
-    Image.fromarray(img[..., 0] if img.shape[-1] == 1 else img).save(path)
+    return Image.fromarray(img[..., 0] if img.shape[-1] == 1 else img)
+
+
+def _save_image(array, path: Path) -> Path:
+    image_of(array).save(path)
     return path
 
 

@@ -16,26 +16,17 @@ def _adapter(text: str) -> tuple[str, str]:
 
 
 def _size(text: str) -> tuple[int, int]:
-    match = re.fullmatch(r"([1-9][0-9]{0,4})x([1-9][0-9]{0,4})", text)
+    from sdkiln.serve.requests import SIZE_PATTERN
+
+    match = SIZE_PATTERN.match(text)
     if match is None or max(int(match.group(1)), int(match.group(2))) > 8192:
         raise argparse.ArgumentTypeError(f"{text!r}: WIDTHxHEIGHT, each at most 8192")
     return int(match.group(1)), int(match.group(2))
 
 
-def _positive(kind, lo, hi):
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-        if not lo <= value <= hi:
-            raise argparse.ArgumentTypeError(f"{text} is outside [{lo}, {hi}]")
-        return value
-
-    return parse
-
-
 def add_serve_parser(sub) -> None:
+    from sdkiln.cli import bounded  # cli imports this module: a function-level import, as cli_export's
+
     s = sub.add_parser(
         "serve",
         help="serve a package behind OpenAI's images API (POST /v1/images/generations; docs/serving.md)",
@@ -44,29 +35,29 @@ def add_serve_parser(sub) -> None:
     s.add_argument(
         "--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)"
     )
-    s.add_argument("--port", type=_positive(int, 0, 65535), default=8000)
+    s.add_argument("--port", type=bounded(int, 0, 65535), default=8000)
     s.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, npu, ...")
     s.add_argument("--digest", default=None, help="refuse the package unless its digest is this sha256:...")
     s.add_argument("--compile", action="store_true", help="compile the repeated blocks (the warm-up pays it)")
     s.add_argument(
-        "--max-batch", type=_positive(int, 1, 256), default=4,
+        "--max-batch", type=bounded(int, 1, 256), default=4,
         help="most images in one pipeline call; requests of one size, steps, guidance and LoRA set share a call "
         "(default 4; also the most images one request may ask for, n)",
     )  # fmt: skip
     s.add_argument(
-        "--max-queue", type=_positive(int, 1, 100_000), default=64,
+        "--max-queue", type=bounded(int, 1, 100_000), default=64,
         help="most requests waiting; more get 429 with Retry-After (default 64)",
     )  # fmt: skip
     s.add_argument(
-        "--batch-window-ms", type=_positive(float, 0.0, 10_000.0), default=10.0,
+        "--batch-window-ms", type=bounded(float, 0.0, 10_000.0), default=10.0,
         help="how long the worker waits for requests to batch with the oldest (default 10 ms)",
     )  # fmt: skip
     s.add_argument(
-        "--request-timeout", type=_positive(float, 0.1, 86_400.0), default=300.0,
+        "--request-timeout", type=bounded(float, 0.1, 86_400.0), default=300.0,
         help="seconds a request may take, queue included; past it: 504, its work dropped (default 300)",
     )  # fmt: skip
     s.add_argument(
-        "--grace", type=_positive(float, 0.0, 86_400.0), default=30.0,
+        "--grace", type=bounded(float, 0.0, 86_400.0), default=30.0,
         help="on SIGTERM, seconds to finish the accepted requests before exiting (default 30)",
     )  # fmt: skip
     s.add_argument(
@@ -78,7 +69,7 @@ def add_serve_parser(sub) -> None:
         help="serve this size too (the package's default size is always served)",
     )  # fmt: skip
     s.add_argument(
-        "--max-steps", type=_positive(int, 1, 1000), default=None,
+        "--max-steps", type=bounded(int, 1, 1000), default=None,
         help="most num_inference_steps a request may ask for (default: the package's with a cache schedule, which "
         "runs no more, else twice that)",
     )  # fmt: skip
@@ -88,9 +79,9 @@ def add_serve_parser(sub) -> None:
     )
     par.add_argument("--cfg-parallel", action="store_true", help="the two guidance branches on two ranks")
     par.add_argument(
-        "--ulysses", type=_positive(int, 1, 1024), default=1, help="Ulysses sequence-parallel degree"
+        "--ulysses", type=bounded(int, 1, 1024), default=1, help="Ulysses sequence-parallel degree"
     )
-    par.add_argument("--ring", type=_positive(int, 1, 1024), default=1, help="ring-attention degree")
+    par.add_argument("--ring", type=bounded(int, 1, 1024), default=1, help="ring-attention degree")
     s.set_defaults(func=cmd_serve)
 
 

@@ -82,17 +82,11 @@ def settle(future: concurrent.futures.Future, value: Any = None, error: BaseExce
 
 
 def png_b64(image) -> str:
-    """A [H, W, C] array in [0, 1] (or [F, H, W, C] frames side by side) as base64 PNG, rounded as
-    ``sdkiln run`` saves it."""
-    import numpy as np
-    from PIL import Image
+    """The image ``sdkiln run`` would save (``cli_run.image_of``), as base64 PNG."""
+    from sdkiln.cli_run import image_of
 
-    img = np.asarray(image)
-    if img.ndim == 4:
-        img = np.concatenate(list(img), axis=1)
-    img = (np.clip(img, 0, 1) * 255).round().astype(np.uint8)
     buffer = io.BytesIO()
-    Image.fromarray(img[..., 0] if img.shape[-1] == 1 else img).save(buffer, format="PNG")
+    image_of(image).save(buffer, format="PNG")
     return base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
@@ -122,7 +116,6 @@ class Engine:
         self.cond = threading.Condition()
         self.accepting = True
         self.stopping = False
-        self.busy = False
         self.running: list[Job] = []
         self.seconds_per_image = None
         self.thread: threading.Thread | None = None
@@ -257,7 +250,6 @@ class Engine:
                 self.queue.remove(job)
             self.metrics.queue_depth = len(self.queue)
             self.running = batch
-            self.busy = True
             return batch
 
     def _work(self) -> None:
@@ -278,7 +270,7 @@ class Engine:
                     settle(job.future, error=error)
             finally:
                 with self.cond:
-                    self.running, self.busy = [], False
+                    self.running = []
                     self.cond.notify_all()
         if self.follow is not None:  # the other ranks stop after rank 0's last collective, never during one
             self.follow(None)
@@ -326,9 +318,9 @@ class Engine:
         deadline = time.monotonic() + grace_s
         with self.cond:
             self.accepting = False
-            while (self.queue or self.busy) and time.monotonic() < deadline:
+            while (self.queue or self.running) and time.monotonic() < deadline:
                 self.cond.wait(max(0.0, deadline - time.monotonic()))
-            finished = not self.queue and not self.busy
+            finished = not self.queue and not self.running
             error = ApiError(
                 503,
                 "the server shut down before this request was answered",

@@ -64,8 +64,8 @@ def build(config: ServeConfig, parallel=None):
     """(engine, limits, model name): the package loaded and warmed up, ready to serve."""
     from sdkiln import kernels
     from sdkiln.runtime import load
-    from sdkiln.serve.engine import Engine, Job
-    from sdkiln.serve.requests import ImageRequest, Limits
+    from sdkiln.serve.engine import Call, Engine
+    from sdkiln.serve.requests import Limits
 
     device = kernels.resolve_device(config.device)
     compile_config = None
@@ -99,7 +99,7 @@ def build(config: ServeConfig, parallel=None):
         if w % spec.size_multiple or h % spec.size_multiple:
             raise SdkilnError(f"--size {w}x{h}: {spec.family} needs multiples of {spec.size_multiple}")
     main = parallel is None or pipe.sdkiln_parallel.mesh.is_main
-    follow = _leader(pipe) if parallel is not None else None
+    follow = _leader() if parallel is not None else None
     engine = Engine(
         pipe,
         max_batch=config.max_batch,
@@ -121,12 +121,7 @@ def build(config: ServeConfig, parallel=None):
             "no more"
         )
     # the warm-up: one image at the default size and steps, which also tells a fixed-size pipeline's size
-    warm = ImageRequest(prompt=spec.calibration_prompts[0], n=1, width=0, height=0, seed=0, steps=steps)
-    call = engine.call_for([Job("warm-up", warm)])
-    if takes_size:
-        call.kwargs.pop("height"), call.kwargs.pop("width")
-        call.kwargs.pop("max_area", None)
-        call.kwargs.update({k: defaults[k] for k in ("height", "width", "max_area") if k in defaults})
+    call = Call([spec.calibration_prompts[0]], [0], dict(defaults, output_type="np"), ())
     if not main:
         return engine, None, None
     if follow is not None:
@@ -134,7 +129,7 @@ def build(config: ServeConfig, parallel=None):
     image = engine.run_call(call)[0]
     default_size = (int(image.shape[-2]), int(image.shape[-3]))
     sizes = [default_size] + [s for s in config.sizes if s != default_size]
-    digest = pipe.sdkiln_digest if hasattr(pipe, "sdkiln_digest") else None
+    digest = pipe.sdkiln_digest
     name = Path(str(config.package).rstrip("/")).name
     limits = Limits(
         model_ids=tuple(x for x in (name, digest) if x),
@@ -155,7 +150,7 @@ def build(config: ServeConfig, parallel=None):
     return engine, limits, name
 
 
-def _leader(pipe):
+def _leader():
     """Rank 0's ``follow``: each batch's ``Call`` (or None to stop) sent to every rank."""
     import torch.distributed as dist
 

@@ -318,7 +318,7 @@ def _borderline(point: dict[str, Any], config: CacheAutoConfig) -> bool:
 
 class HeldOut:
     """The held-out samples (the family's eval prompts, seeds from ``EVAL_SEED``) and the uncached
-    model's images and latents on them, made on first use and grown by ``extend`` (once)."""
+    model's images and latents on them, made at once and grown by ``extend`` (once)."""
 
     def __init__(self, ctx: TransformContext, call: dict[str, Any], count: int):
         self.ctx, self.call = ctx, call
