@@ -10,19 +10,24 @@ brightness). For each strength (0.5, 1.0), on the same prompts and seeds:
   with the runtime's default cache policy (``headroom``: a safer schedule of the package's search front
   while the LoRA is on; ``runtime.cache.headroom``), and again with the schedule kept as searched
   (``cache kept``); each row has the block evaluations it took over an uncached run's;
-* ``package --lora``: a default-recipe package optimized with the LoRA fused (``optimize --lora``).
+* ``package --lora``: a default-recipe package optimized with the LoRA fused (``optimize --lora``);
+* ``package --lora --match-quality``: the same, its cache search matching the package without a LoRA
+  (``optimize --match-quality``: the floor at that package's held-out PSNR less 1 dB, its front given
+  to the search).
 
 Reported: PSNR against the reference (and the package's own PSNR against the float model without a
 LoRA, the bar: at most 1 dB lower), the frame score and its change over the model without the LoRA
 (the LoRA's effect: within 10% of the float model's), class accuracy.
 
-    OMP_NUM_THREADS=2 python bench/lora.py                   # about 15 minutes on 2 cores
+    OMP_NUM_THREADS=2 python bench/lora.py                   # about 25 minutes on 2 cores
     OMP_NUM_THREADS=2 python bench/lora.py --ablate-cache    # then: without the cache schedule, 2 minutes
+    OMP_NUM_THREADS=2 python bench/lora.py --ablate-match    # then: the matched floor without the front, 4 minutes
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -107,6 +112,56 @@ def cache_ablation(lora: Path, work: Path, out: Path, samples: int = 20) -> dict
     return result
 
 
+def match_ablation(lora: Path, work: Path, out: Path, samples: int = 40) -> dict:
+    """Strength 1.0, ``--lora`` with ``--match-quality``'s floor and held-out samples but without the
+    front it gives the search (``candidates``): what the given front adds at the same floor. Needs the
+    default package of a previous run under ``work``; compares with the run's matched row."""
+    from sdkiln.configs import CacheAutoConfig
+    from sdkiln.optimizer.match import QualityTarget
+    from sdkiln.optimizer.recipes import resolve_recipe
+
+    start = time.time()
+    spec = get_spec("fmnist-flux")
+    recipe = QualityTarget.read(work / "default").apply(resolve_recipe("default", spec))
+    recipe = dataclasses.replace(
+        recipe,
+        name="default, matched floor, no front given",
+        steps=[
+            dataclasses.replace(s, candidates=()) if isinstance(s, CacheAutoConfig) else s
+            for s in recipe.steps
+        ],
+    )
+    package = sdkiln.optimize(
+        None, recipe, work / "floor-only-1.0", force=True, eval_samples=0, lora=[LoraFile(str(lora), 1.0)]
+    ).package
+    base, call = spec.build(), spec.call_kwargs()
+    prompts, seeds = sample_plan(spec, samples, seed=0)
+    base_score = frame_score(_images(base, call, prompts, seeds))
+    base.transformer.load_lora_adapter(str(lora), adapter_name="frame", prefix="transformer")
+    reference = _images(base, call, prompts, seeds)
+    row = _row(
+        "package --lora, matched floor, no front given @1.0",
+        *_counted(sdkiln.load(package, device="cpu"), call, prompts, seeds),
+        reference,
+        base_score,
+        spec,
+        prompts,
+    )
+    (cache_step,) = [s for s in recipe.steps if isinstance(s, CacheAutoConfig)]
+    result = {
+        "bench": "lora_match_ablation",
+        "machine": harness.machine(("torch", "diffusers", "peft")),
+        "samples": samples,
+        "floor": {"psnr_mean_db": cache_step.psnr_floor_db, "psnr_p5_db": cache_step.psnr_p5_floor_db},
+        "held_out_samples": cache_step.eval_samples,
+        "row": row,
+        "minutes": round((time.time() - start) / 60, 1),
+    }
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps({k: row[k] for k in ("psnr", "block_evaluations_ratio")}, indent=2))
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -121,7 +176,16 @@ def main(argv: list[str] | None = None) -> int:
         help="only the cache ablation (strength 1.0, the cache schedule detached; needs the packages of a "
         "previous run under --work): bench/results/lora_fmnist_nocache.json",
     )
+    parser.add_argument(
+        "--ablate-match",
+        action="store_true",
+        help="only the --match-quality ablation (strength 1.0, the matched floor without the given front; "
+        "needs the default package of a previous run under --work): bench/results/lora_fmnist_match_ablation.json",
+    )
     args = parser.parse_args(argv)
+    if args.ablate_match:
+        match_ablation(args.lora, args.work, args.out.with_name("lora_fmnist_match_ablation.json"))
+        return 0
     if args.ablate_cache:
         cache_ablation(args.lora, args.work, args.out.with_name("lora_fmnist_nocache.json"))
         return 0
@@ -141,6 +205,15 @@ def main(argv: list[str] | None = None) -> int:
             force=True,
             eval_samples=0,
             lora=[LoraFile(str(args.lora), s)],
+        ).package
+        packages[f"matched@{s}"] = sdkiln.optimize(
+            None,
+            "default",
+            args.work / f"matched-{s}",
+            force=True,
+            eval_samples=0,
+            lora=[LoraFile(str(args.lora), s)],
+            match_quality=packages["default"],
         ).package
 
     float_plain = _images(base, call, prompts, seeds)
@@ -187,8 +260,16 @@ def main(argv: list[str] | None = None) -> int:
             spec,
             prompts,
         )
-        rows += [ref_row, branch, kept, fused]
-        for row in (branch, kept, fused):
+        matched = _row(
+            f"package --lora --match-quality @{s}",
+            *_counted(sdkiln.load(packages[f"matched@{s}"], device="cpu"), call, prompts, seeds),
+            reference,
+            base_score,
+            spec,
+            prompts,
+        )
+        rows += [ref_row, branch, kept, fused, matched]
+        for row in (branch, kept, fused, matched):
             checks[row["variant"]] = {
                 "psnr_within_1db": row["psnr"] >= no_lora_psnr - PSNR_SLACK_DB,
                 "effect_within_10pct": abs(row["effect"] - ref_row["effect"])
@@ -206,11 +287,14 @@ def main(argv: list[str] | None = None) -> int:
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"{'variant':<36} {'PSNR':>7} {'frame':>7} {'effect':>7} {'acc':>6}")
+    print(f"{'variant':<38} {'PSNR':>7} {'frame':>7} {'effect':>7} {'acc':>6} {'evals':>6}")
     for row in rows:
         psnr = f"{row['psnr']:.2f}" if "psnr" in row else "-"
         acc = row.get("class_accuracy", float("nan"))
-        print(f"{row['variant']:<36} {psnr:>7} {row['frame_score']:7.3f} {row['effect']:7.3f} {acc:6.2f}")
+        evals = f"{row['block_evaluations_ratio']:.3f}" if "block_evaluations_ratio" in row else "-"
+        print(
+            f"{row['variant']:<38} {psnr:>7} {row['frame_score']:7.3f} {row['effect']:7.3f} {acc:6.2f} {evals:>6}"
+        )
     print(json.dumps(checks, indent=2))
     print(f"wrote {args.out} ({result['minutes']} min)")
     return 0 if all(all(c.values()) for c in checks.values()) else 1

@@ -85,7 +85,15 @@ def cmd_optimize(args) -> int:
         check_text(args.model, "model")
     if args.ascend_dtype is not None and args.format != "ascend":
         raise SdkilnError("--ascend-dtype is the dtype of the Ascend files: it needs --format ascend")
+    if args.match_slack is not None and args.match_quality is None:
+        raise SdkilnError("--match-slack is how far under --match-quality's package the floor goes: give it")
+    if args.match_quality is not None:
+        check_text(args.match_quality, "--match-quality")
     from sdkiln.model_zoo import DTYPES
+    from sdkiln.optimizer.match import DEFAULT_SLACK_DB
+
+    if args.match_slack is None:
+        args.match_slack = DEFAULT_SLACK_DB
 
     t0 = time.perf_counter()
     result = optimize(
@@ -108,6 +116,8 @@ def cmd_optimize(args) -> int:
         device=args.device,
         eval_batch=args.eval_batch,
         lora=args.lora,
+        match_quality=args.match_quality,
+        match_slack_db=args.match_slack,
     )
     experts = "".join(
         f", {len(e.get('modules', {}))} in {attr}" for attr, e in result.manifest.get("experts", {}).items()
@@ -138,7 +148,7 @@ class _OptimizeParser(_Parser):
 
 
 def cmd_inspect(args) -> int:
-    from sdkiln.export.summary import summarize
+    from sdkiln.export.summary import matched_text, summarize
     from sdkiln.runtime.manifest_schema import check_quality
     from sdkiln.runtime.package import QUALITY_REPORT, open_package
 
@@ -196,6 +206,8 @@ def cmd_inspect(args) -> int:
         print(
             f"cache schedule: {steps}, {c['block_evaluations_ratio']:.3f}x block evaluations; actions {' '.join(c['actions'])}"
         )
+        if summary["quality_target"]:
+            print(f"cache quality matched to: {matched_text(summary['quality_target'])}")
         if c.get("guard"):
             g, held = c["guard"], c["guard"].get("forced_on_held_out") or {}
             print(
@@ -381,6 +393,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="fuse this LoRA (.safetensors, any format diffusers reads for the family) into the float "
         "weights before calibration, at STRENGTH (default 1); repeatable. Best quality, no strength "
         "control at run time; for that, `sdkiln run --lora`",
+    )
+    o.add_argument(
+        "--match-quality",
+        default=None,
+        metavar="PACKAGE",
+        help="make the cache as good as this package's (same family and deployment; a LoRA fused, a "
+        "fine-tune, another quantization of it): the cache search's floor rises to its held-out PSNR less "
+        "--match-slack and starts from its schedules (docs/caching.md)",
+    )
+    o.add_argument(
+        "--match-slack",
+        type=bounded(float, 0, 50),
+        default=None,
+        metavar="DB",
+        help="with --match-quality: how far under that package's held-out PSNR the floor goes (default 1)",
     )
     o.add_argument(
         "--format",

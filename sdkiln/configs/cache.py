@@ -40,9 +40,11 @@ class CacheAutoConfig(RecipeStep):
     budgets: int = 16
     refine: int = 12
     refine_tries: int = 3
-    held_out_retries: int = 2
+    held_out_retries: int = 4
     """When the chosen schedule misses the floor on the held-out samples, up to this many safer schedules
-    of the confirmed front are measured there too, the first that meets it chosen."""
+    of the confirmed front are measured there too, the first that meets it chosen. Each costs one run
+    of the held-out samples (8: two runs of the calibration batch), a few percent of a search; four
+    calibration samples can order neighbouring front points wrongly, so a step or two may not do."""
     held_out_margin_se: float = 1.0
     """The held-out check asks the mean PSNR less this many standard errors of the mean (the samples'
     standard deviation over the square root of their count) to meet the floor: a mean of eight samples
@@ -57,6 +59,11 @@ class CacheAutoConfig(RecipeStep):
     ``guard_quantile`` of the calibration samples' change at that step times ``guard_margin`` runs full."""
     guard_quantile: float = 1.0
     guard_margin: float = 1.5
+    candidates: tuple[str, ...] = ()
+    """Schedules confirmed beside the search's own candidates, each the actions of the transformer's
+    steps joined by commas (``full,skip,full,...``): a search started from another package's front
+    (``optimize --match-quality``). One that does not fit the search (its step count, its actions,
+    ``min_full``, ``max_reuse``) is left out with a note."""
 
     def __post_init__(self) -> None:
         from sdkiln.runtime.cache.schedule import Action  # the runtime owns the action grammar
@@ -85,3 +92,9 @@ class CacheAutoConfig(RecipeStep):
             raise ValueError(f"held_out_extend must be an integer >= 0, got {self.held_out_extend!r}")
         if not 0.0 < self.guard_quantile <= 1.0 or self.guard_margin < 1.0:
             raise ValueError("need 0 < guard_quantile <= 1 and guard_margin >= 1")
+        self.candidates = tuple(self.candidates)
+        for c in self.candidates:
+            if not isinstance(c, str) or not c:
+                raise ValueError(f"a cache_auto candidate is a comma-joined action list, got {c!r}")
+            for a in c.split(","):
+                Action.parse(a)  # a ValueError naming the action

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from sdkiln.errors import SdkilnError
-from sdkiln.export.summary import quality_lines, summarize
+from sdkiln.export.summary import matched_text, quality_lines, summarize
 from sdkiln.extras import require
 from sdkiln.hub import valid_repo_id
 from sdkiln.model_zoo import spec_names
@@ -164,6 +164,8 @@ def model_card(pkg: Package, repo: str, license: str) -> str:
             f"- Quantized weights: {summary['quantized_bytes']:,} bytes, {summary['quantized_ratio']:.3f}x their "
             "float32 size."
         )
+    if summary["quality_target"]:
+        lines.append(f"- Cache quality matched to {matched_text(summary['quality_target'], path=False)}.")
     if summary["cache"] is not None:
         c = summary["cache"]
         lines.append(

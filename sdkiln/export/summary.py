@@ -34,7 +34,8 @@ def summarize(pkg: Package) -> dict[str, Any]:
         ``quantized_float_bytes`` is what the same weights weigh in float32. The float bias is the same
         in both and is not counted. ``lora_layers`` counts the layers a runtime LoRA can target
         (``sdkiln.runtime.lora``): the quantized ones (as branches) and the float linears (2-D weights);
-        ``fused_loras`` lists LoRAs ``optimize --lora`` fused into the weights. ``text_encoders`` has, per
+        ``fused_loras`` lists LoRAs ``optimize --lora`` fused into the weights; ``quality_target`` is the
+        package ``optimize --match-quality`` matched the cache to (or None). ``text_encoders`` has, per
         text encoder the text-encoder step took, its quantized layers by scheme, the SQNR its gate read
         and its decision. ``memory`` is the package's
     memory table (``runtime.memory.table``).
@@ -45,6 +46,7 @@ def summarize(pkg: Package) -> dict[str, Any]:
     )
     return {
         "fused_loras": m["model"].get("fused_loras", []),
+        "quality_target": m["recipe"].get("quality_target"),
         "sections": [s.name for s in sections_of(m)],
         "recipe": m["recipe"]["name"],
         "steps": [s["config"]["kind"] for s in m["recipe"]["steps"]],
@@ -166,6 +168,18 @@ def _text_encoders(m: dict[str, Any]) -> dict[str, dict[str, Any]]:
                 "decision": entry.get("decision"),
             }
     return out
+
+
+def matched_text(target: dict[str, Any], path: bool = True) -> str:
+    """``recipe.quality_target`` in words: ``inspect`` names the package as given and its digest, the
+    model card (``path`` False) the digest alone (the path was the maker's)."""
+    held = target["held_out"]
+    name = f"{target['package']} ({target['digest'][:19]}...)" if path else f"the package {target['digest']}"
+    return (
+        f"{name}: its held-out {held['psnr_mean_db']:.2f} dB (5th pct "
+        f"{held['psnr_p5_db']:.2f}, {held['samples']} samples, {held['block_evaluations_ratio']:.3f}x block "
+        f"evaluations) less {target['slack_db']:g} dB was this search's floor"
+    )
 
 
 def quality_lines(q: dict[str, Any], source: str) -> list[str]:

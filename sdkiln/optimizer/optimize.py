@@ -27,6 +27,7 @@ from sdkiln.model_zoo import ModelSpec, load_model, spec_for_pipeline
 from sdkiln.model_zoo.fingerprint import fingerprint
 from sdkiln.optimizer.evaluate import default_eval_batch, measure, reference
 from sdkiln.optimizer.lora import fuse_loras
+from sdkiln.optimizer.match import DEFAULT_SLACK_DB, QualityTarget
 from sdkiln.optimizer.plan import OPTIMIZE_LOG, PhaseMeter, make_plan, peak_host_bytes
 from sdkiln.optimizer.recipes import resolve_recipe
 from sdkiln.optimizer.registry import TransformContext, apply_transform, refuse_steps
@@ -153,6 +154,8 @@ def optimize(
     in_place: bool = False,
     progress: bool = True,
     lora: list[LoraFile] | tuple[LoraFile, ...] = (),
+    match_quality: str | os.PathLike | None = None,
+    match_slack_db: float = DEFAULT_SLACK_DB,
 ) -> OptimizeResult:
     """Optimize ``model`` (a pipeline, a zoo name, a local diffusers directory, or None for the
     embedded model) with ``recipe`` and, if ``out_dir`` is given, write the package there.
@@ -190,6 +193,12 @@ def optimize(
     LoRA'd model, and the manifest records them (``model.fused_loras``). A pipeline object takes them
     only with ``in_place=True``.
 
+    ``match_quality`` (a package directory of the same model family and deployment) makes the cache
+    search match that package's: its floors rise to the package's held-out result less
+    ``match_slack_db``, and its front is confirmed beside the search's own candidates
+    (``optimizer.match``; the manifest records it as ``recipe.quality_target``). Meant for variants of a
+    package: a LoRA fused (``lora``), a fine-tune, another quantization.
+
     ``format="ascend"`` also writes MindIE SD's files to ``<out_dir>-ascend`` (``export_ascend``,
     ``ascend_dtype`` its ``dtype``) and makes the package for it: the recipe is checked before any
     calibration (``sdkiln.export.ascend.ascend_recipe``) and SmoothQuant keeps input multipliers.
@@ -226,6 +235,7 @@ def optimize(
             ascend.check_replaceable(ascend_dir, force)
         asked = recipe
         recipe = resolve_recipe(asked)  # an unknown name fails before the model loads
+        quality_target = None if match_quality is None else QualityTarget.read(match_quality, match_slack_db)
         if by_name:
             base, spec, base_id = load_model(None if model is None else str(model), dtype, target)
         else:
@@ -241,6 +251,8 @@ def optimize(
             recipe = dataclasses.replace(
                 recipe, deployment=recipe.deployment.merged(deployment, "the optimize call")
             )
+        if quality_target is not None:
+            recipe = quality_target.apply(recipe)
         attr, attrs = spec.transformer_attr, spec.transformer_attrs
         fused_loras = fuse_loras(base, attr, list(lora)) if lora else []
         base_transformer = getattr(base, attr)
@@ -282,6 +294,10 @@ def optimize(
         ctx = TransformContext(pipeline=optimized, spec=spec, forward_loop=forward_loop, recipe=recipe)
         ctx.check_deployment()
         call = ctx.call_kwargs()
+        if quality_target is not None:
+            quality_target.check(spec, call)
+            if progress:
+                tqdm.write(quality_target.describe(recipe), file=sys.stderr)
         batch = eval_batch or default_eval_batch(call)
         plan = make_plan(ctx, list(recipe.steps), eval_samples, batch, run_device)
         if progress:
@@ -336,6 +352,7 @@ def optimize(
                 "version": recipe.version,
                 "deployment": recipe.deployment.to_dict(),
                 "steps": steps,
+                **({"quality_target": quality_target.record()} if quality_target is not None else {}),
             },
             "modules": modules,
             **sections,

@@ -147,6 +147,24 @@ def _check_deployment(d: Any, where: str) -> None:
             raise fail(at, "is not a deployment setting")
 
 
+SHA256_DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
+
+
+def _check_quality_target(value: Any, at: str) -> None:
+    """``optimize --match-quality``'s record: the package matched, its held-out cache quality, the slack."""
+    target = expect_dict(value, at, ("package", "digest", "held_out", "slack_db", "front_given"))
+    expect_str(target["package"], f"{at}.package", max_len=1000)
+    expect_str(target["digest"], f"{at}.digest", SHA256_DIGEST, 71)
+    keys = ("psnr_mean_db", "psnr_p5_db", "samples", "block_evaluations_ratio")
+    held = expect_dict(target["held_out"], f"{at}.held_out", keys)
+    for key in ("psnr_mean_db", "psnr_p5_db"):
+        expect_number(held[key], f"{at}.held_out.{key}", -1000, 1000)
+    expect_int(held["samples"], f"{at}.held_out.samples", 0, 1_000_000)
+    expect_number(held["block_evaluations_ratio"], f"{at}.held_out.block_evaluations_ratio", 0, 1)
+    expect_number(target["slack_db"], f"{at}.slack_db", 0, 50)
+    expect_int(target["front_given"], f"{at}.front_given", 0, 1_000_000)
+
+
 def check_manifest(m: Any) -> None:
     """The core fields of a manifest: types, ranges and allowed values."""
     where = "manifest.json"
@@ -200,6 +218,8 @@ def check_manifest(m: Any) -> None:
     expect_int(recipe["version"], f"{where}: recipe.version", 1, 1000)
     if "deployment" in recipe:
         _check_deployment(recipe["deployment"], f"{where}: recipe.deployment")
+    if "quality_target" in recipe:
+        _check_quality_target(recipe["quality_target"], f"{where}: recipe.quality_target")
     for i, step in enumerate(expect_list(recipe["steps"], f"{where}: recipe.steps", 100)):
         at = f"{where}: recipe.steps[{i}]"
         expect_dict(step, at, ("config", "result"))

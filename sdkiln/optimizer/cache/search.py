@@ -15,7 +15,8 @@
    for each of ``budgets`` budgets evenly spaced from the cheapest allowed schedule to all-full, the
    schedule of least predicted final error within it (the first ``min_full`` steps and the last step
    full, at most ``max_reuse`` reuse steps in a row); the fixed-interval schedules within the same
-   constraints join them, and all-full.
+   constraints join them, all-full, and the recipe's ``candidates`` that fit (``optimize
+   --match-quality`` gives another package's front: a search started where a related model's ended).
 4. **Confirmation and refinement.** Every candidate runs end to end on the calibration samples: PSNR
    of the decoded images and relative L2 of the final latents against the uncached run (mean and
    5th/95th percentiles). From the cheapest schedule meeting the floor (mean PSNR >=
@@ -120,6 +121,27 @@ class Search:
             )
         self.first, self.num_steps = steps[0], len(steps)
         self.model = ErrorModel(self.num_steps, self.num_blocks, self.config.min_full, self.config.max_reuse)
+
+    def given(self, texts: tuple[str, ...]) -> list[list[Action]]:
+        """The config's ``candidates`` that fit this search: as many actions as the transformer's steps,
+        each full or one of the search's actions, within its constraints (``ErrorModel.allowed``).
+        Those that do not are left out, with one note."""
+        fit = []
+        for text in texts:
+            actions = [Action.parse(a) for a in text.split(",")]
+            if (
+                len(actions) == self.num_steps
+                and all(a == FULL or a in self.actions for a in actions)
+                and self.model.allowed(actions)
+            ):
+                fit.append(actions)
+        if len(fit) < len(texts):
+            tqdm.write(
+                f"cache search: {len(texts) - len(fit)} of {len(texts)} given schedules left out: not "
+                f"{self.num_steps} steps of full and {', '.join(map(str, self.actions))} within min_full "
+                f"{self.config.min_full} and max_reuse {self.config.max_reuse}"
+            )
+        return fit
 
     def schedule(self, actions: list[Action]) -> CacheSchedule:
         """The schedule of the run for ``actions`` over this transformer's steps."""
@@ -273,8 +295,9 @@ def fixed_settings(min_full: int, max_reuse: int) -> list[tuple[int, int, bool]]
 
 def confirmation_bound(config: CacheAutoConfig) -> int:
     """The most schedules a search confirms end to end: one per budget, one per fixed-interval
-    setting, all-full, and ``refine`` (a schedule met twice is confirmed once)."""
-    return config.budgets + len(fixed_settings(config.min_full, config.max_reuse)) + 1 + config.refine
+    setting, all-full, one per given candidate, and ``refine`` (a schedule met twice is confirmed once)."""
+    fixed = len(fixed_settings(config.min_full, config.max_reuse))
+    return config.budgets + fixed + 1 + len(config.candidates) + config.refine
 
 
 def fixed_family(model: ErrorModel, actions: list[Action]) -> list[list[Action]]:
@@ -366,6 +389,18 @@ def pareto(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if not front or p["psnr_mean"] > front[-1]["psnr_mean"]:
             front.append(p)
     return front
+
+
+def _given_record(config: CacheAutoConfig, given: list[list[Action]], confirmed: Confirmed) -> dict[str, Any]:
+    """How the given candidates that fit measured here (cheapest first): a related package's front on
+    this model."""
+    points = [confirmed.points[tuple(str(a) for a in actions)] for actions in given]
+    keys = ("block_evaluations_ratio", "psnr_mean", "psnr_p5")
+    return {
+        "candidates": len(config.candidates),
+        "fit": len(given),
+        "confirmed": sorted(({k: p[k] for k in keys} for p in points), key=lambda p: p[keys[0]]),
+    }
 
 
 class Confirmed:
@@ -461,6 +496,8 @@ def apply_cache_auto(ctx: TransformContext, config: CacheAutoConfig) -> Transfor
     full = search.num_steps * search.num_blocks
     candidates = [(model.solve(b), f"dp budget={b / full:.3f}") for b in model.budgets(config.budgets)]
     candidates += [(a, "fixed interval") for a in fixed_family(model, search.actions)]
+    given = search.given(config.candidates)
+    candidates += [(a, "given") for a in given]
     candidates.append(([FULL] * search.num_steps, "all full"))
     distinct = len({tuple(str(a) for a in actions) for actions, _ in candidates})
     with tqdm(total=distinct + config.refine, desc="cache schedules", unit="run", leave=False) as bar:
@@ -522,6 +559,7 @@ def apply_cache_auto(ctx: TransformContext, config: CacheAutoConfig) -> Transfor
         "steps": [search.first, search.first + search.num_steps - 1],
         "actions": [str(a) for a in search.actions],
         "actions_left_out": search.dropped,
+        **({"given": _given_record(config, given, confirmed)} if config.candidates else {}),
         "calibration": calib.record(),
         "floor": {
             "psnr_mean_db": config.psnr_floor_db,
@@ -543,6 +581,7 @@ def apply_cache_auto(ctx: TransformContext, config: CacheAutoConfig) -> Transfor
             "actions": chosen["actions"],
             "block_evaluations_ratio": chosen["block_evaluations_ratio"],
             "calibration_psnr_mean": chosen["psnr_mean"],
+            "source": chosen["source"],
             "expected": schedule.expected,
             "front_size": len(front),
             "confirmed": len(points),
